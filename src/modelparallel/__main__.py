@@ -1,0 +1,3 @@
+from modelparallel.launch.cli import main
+
+main()

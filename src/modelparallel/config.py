@@ -1,0 +1,428 @@
+"""The configuration: every key of SMP v1 and v2, defaults, validation and loading.
+
+All validation here is pure Python and runs on every rank before any collective, so
+a bad configuration fails everywhere at once with the same message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("modelparallel")
+
+ALIASES = {"partitions": "pipeline_parallel_degree"}
+PLACEMENT_NAMES = {"cluster": "DPT", "spread": "TPD"}
+PIPELINE_SCHEDULES = ("interleaved", "simple")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, found before any process group or collective is used.
+
+    ``problems`` holds one ``(key, message)`` pair per problem; the message of the
+    exception lists them all.
+    """
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        lines = [f"  - {key}: {msg}" for key, msg in problems]
+        super().__init__("invalid modelparallel configuration:\n" + "\n".join(lines))
+
+    @property
+    def keys(self) -> list[str]:
+        return [key for key, _ in self.problems]
+
+
+def _key(default: Any, doc: str, *, minimum: float | None = None,
+         maximum: float | None = None, choices: tuple | None = None,
+         kind: type | tuple[type, ...] | None = None, no_effect: bool = False) -> Any:
+    """Declare one configuration key: its default, meaning and valid range."""
+    meta = {"doc": doc, "min": minimum, "max": maximum, "choices": choices,
+            "kind": kind, "no_effect": no_effect}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Config:
+    """Every configuration key of SMP v1 (``modelparallel`` parameters) and SMP v2.
+
+    Build it with :meth:`Config.load` (dict, JSON/YAML path, ``None``) so that
+    aliases are resolved and every value is checked; :meth:`validate_world` adds the
+    checks that need the world size.
+    """
+
+    # -- parallel degrees ------------------------------------------------------------
+    tensor_parallel_degree: int = _key(1, "ranks a tensor-parallel module is split over", minimum=1)
+    pipeline_parallel_degree: int = _key(
+        1, "pipeline stages the model is split into (alias: partitions)", minimum=1)
+    hybrid_shard_degree: int = _key(
+        0, "0: shard over all data-parallel ranks; 1: no sharding; k>=2: shard over k "
+           "ranks and replicate over the rest", minimum=0)
+    sharded_data_parallel_degree: int = _key(
+        1, "SMP v1 sharded data parallelism; k>=2 means hybrid_shard_degree=k", minimum=1)
+    context_parallel_degree: int = _key(1, "ranks a sequence is split over", minimum=1)
+    expert_parallel_degree: int = _key(1, "ranks mixture-of-experts layers are split over",
+                                       minimum=1)
+    placement_strategy: str = _key(
+        "cluster", '"cluster" (= "DPT"), "spread" (= "TPD") or a permutation of D, P, T; '
+                   "the right-most letter varies fastest over ranks")
+    # -- pipeline --------------------------------------------------------------------
+    microbatches: int = _key(1, "microbatches a batch is split into", minimum=1)
+    pipeline: str = _key("interleaved", "pipeline schedule", choices=PIPELINE_SCHEDULES)
+    active_microbatches: int | None = _key(
+        None, "most microbatches in flight at once (default: stages + 2)", minimum=1)
+    auto_partition: bool = _key(True, "balance pipeline stages automatically")
+    default_partition: int = _key(0, "stage for modules not placed explicitly", minimum=0)
+    memory_weight: float | None = _key(
+        None, "weight of memory vs compute balance in auto-partitioning "
+              "(default 0.8, or 0.2 when optimize is speed)", minimum=0.0, maximum=1.0,
+        kind=(int, float))
+    optimize: str = _key("memory", "trade memory for speed in distributed modules",
+                         choices=("memory", "speed"))
+    contiguous: bool = _key(True, "pipeline stages are contiguous")
+    deterministic_server: bool = _key(False, "execute pipeline requests in the same order "
+                                             "on every rank (always true here)")
+    skip_tracing: bool = _key(False, "skip the tracing step of auto-partitioning")
+    # -- data parallel ---------------------------------------------------------------
+    ddp: bool = _key(False, "use DistributedDataParallel for the data-parallel dimension")
+    ddp_port: int | None = _key(None, "port for the DDP process group (the launcher's "
+                                      "MASTER_PORT is used)", minimum=1, maximum=65535)
+    ddp_dist_backend: str = _key("auto", "process group backend",
+                                 choices=("auto", "nccl", "gloo"))
+    horovod: bool = _key(False, "TensorFlow/Horovod data parallelism")
+    prescaled_batch: bool = _key(
+        False, "ranks of one tensor-parallel group read the same batch (sample by rdp_rank)")
+    shard_optimizer_state: bool = _key(False, "shard optimizer state over data-parallel ranks")
+    # -- precision -------------------------------------------------------------------
+    bf16: bool = _key(False, "bfloat16 mixed precision")
+    fp16: bool = _key(False, "float16 mixed precision")
+    fp16_params: bool = _key(False, "SMP v1.6-1.9 name of fp16")
+    # -- memory ----------------------------------------------------------------------
+    offload_activations: bool = _key(False, "offload checkpointed activations to CPU")
+    sm_activation_offloading: bool = _key(False, "SMP v2 name of offload_activations")
+    activation_loading_horizon: int = _key(
+        4, "how early offloaded activations are loaded back", minimum=1)
+    delayed_parameter_initialization: bool = _key(
+        False, "initialize parameters only after they are sharded")
+    # -- tensor parallel -------------------------------------------------------------
+    random_seed: int = _key(12345, "seed of the random state of distributed modules",
+                            minimum=0)
+    allow_empty_shards: bool = _key(False, "allow tensor-parallel shards with no elements",
+                                    no_effect=True)
+    fsdp_cache_flush_warnings: bool = _key(True, "warn when the CUDA caching allocator "
+                                                 "flushes", no_effect=True)
+    predefined_hooks: bool = _key(True, "built-in hooks for Hugging Face models",
+                                  no_effect=True)
+    # -- SMP v1 sharded data parallelism tuning (FSDP2 decides these per block) --------
+    sdp_reduce_bucket_size: int = _key(500_000_000, "gradient bucket size", minimum=1,
+                                       no_effect=True)
+    sdp_param_persistence_threshold: int = _key(1_000_000, "parameters below this many "
+                                                "elements stay unsharded", minimum=0,
+                                                no_effect=True)
+    sdp_max_live_parameters: int = _key(1_000_000_000, "most parameters gathered at once",
+                                        minimum=1, no_effect=True)
+    sdp_hierarchical_allgather: bool = _key(True, "all-gather within nodes first",
+                                            no_effect=True)
+    sdp_gradient_clipping: float = _key(1.0, "gradient norm clipping threshold", minimum=0.0,
+                                        kind=(int, float), no_effect=True)
+
+    # ---------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike | None = None,
+             *, environ: Mapping[str, str] | None = None) -> Config:
+        """Build a checked Config from a dict, a JSON/YAML file path, a Config or ``None``.
+
+        The launcher's ``MP_CONFIG`` (JSON, read from ``environ``, default
+        ``os.environ``) overrides the script's values; the overridden keys are
+        logged once by rank 0.
+        """
+        environ = os.environ if environ is None else environ
+        script = normalise(_read_source(source), origin="configuration")
+        launcher = {}
+        if environ.get("MP_CONFIG"):
+            try:
+                launcher = json.loads(environ["MP_CONFIG"])
+            except json.JSONDecodeError as e:
+                raise ConfigError([("MP_CONFIG", f"is not valid JSON ({e})")]) from None
+            launcher = normalise(_unwrap(launcher), origin="MP_CONFIG")
+        changed = {k: (script[k], v) for k, v in launcher.items()
+                   if k in script and script[k] != v}
+        if changed and environ.get("RANK", "0") == "0":
+            logger.warning("MP_CONFIG from the launcher overrides the script's configuration: %s",
+                           ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        merged = {**script, **launcher}
+        config = cls(**merged)
+        config._check_values(explicit=set(merged))
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- derived values ---------------------------------------------------------------
+    @property
+    def placement_order(self) -> str:
+        """The placement strategy as a permutation of D, P, T (outermost first)."""
+        return PLACEMENT_NAMES.get(self.placement_strategy, self.placement_strategy.upper())
+
+    @property
+    def effective_memory_weight(self) -> float:
+        if self.memory_weight is not None:
+            return float(self.memory_weight)
+        return 0.2 if self.optimize == "speed" else 0.8
+
+    @property
+    def effective_active_microbatches(self) -> int:
+        if self.active_microbatches is not None:
+            return self.active_microbatches
+        return self.pipeline_parallel_degree + 2  # SMP's default: partitions + 2
+
+    @property
+    def half_precision(self) -> str | None:
+        """"bf16", "fp16" or None."""
+        if self.bf16:
+            return "bf16"
+        return "fp16" if (self.fp16 or self.fp16_params) else None
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks that hold the same model part: world / (pp * tp * cp * ep)."""
+        return world_size // self._model_parallel_product()
+
+    def shard_size(self, world_size: int) -> int:
+        """dp_shard: ranks one parameter is sharded over (1 = replicated)."""
+        dp = self.data_parallel_size(world_size)
+        degree = self.hybrid_shard_degree or self._sdp_degree()
+        return dp if degree == 0 else degree
+
+    # -- validation ---------------------------------------------------------------------
+    def validate_world(self, world_size: int) -> None:
+        """Check the degrees against a world size; raise ConfigError naming every problem."""
+        problems: list[tuple[str, str]] = []
+        product = self._model_parallel_product()
+        if world_size % product:
+            factors = " x ".join(
+                f"{k}={getattr(self, k)}" for k in _DEGREE_KEYS if getattr(self, k) > 1)
+            problems.append((
+                "tensor_parallel_degree" if self.tensor_parallel_degree > 1
+                else "pipeline_parallel_degree",
+                f"{factors} = {product} does not divide the world size {world_size}; "
+                f"use degrees whose product divides {world_size}, or launch a multiple "
+                f"of {product} processes"))
+        else:
+            dp = world_size // product
+            degree = self.hybrid_shard_degree or self._sdp_degree()
+            key = "hybrid_shard_degree" if self.hybrid_shard_degree else \
+                "sharded_data_parallel_degree"
+            if degree and dp % degree:
+                valid = ", ".join(str(d) for d in [0, *_divisors(dp)])
+                problems.append((key, f"{degree} does not divide the data-parallel size {dp} "
+                                      f"(world size {world_size} / {product} model-parallel "
+                                      f"ranks); valid values: {valid}"))
+        if problems:
+            raise ConfigError(problems)
+
+    def _model_parallel_product(self) -> int:
+        return (self.tensor_parallel_degree * self.pipeline_parallel_degree
+                * self.context_parallel_degree * self.expert_parallel_degree)
+
+    def _sdp_degree(self) -> int:
+        return self.sharded_data_parallel_degree if self.sharded_data_parallel_degree > 1 else 0
+
+    def _check_values(self, explicit: set[str]) -> None:
+        problems: list[tuple[str, str]] = []
+        for f in dataclasses.fields(self):
+            msg = _check_field(f, getattr(self, f.name))
+            if msg:
+                problems.append((f.name, msg))
+        if problems:  # combinations only make sense on well-typed values
+            raise ConfigError(problems)
+        problems.extend(self._check_combinations(explicit))
+        if problems:
+            raise ConfigError(problems)
+        for f in dataclasses.fields(self):
+            if f.metadata["no_effect"] and getattr(self, f.name) != f.default:
+                logger.warning("%s=%r is accepted for compatibility but has no effect in "
+                               "modelparallel", f.name, getattr(self, f.name))
+
+    def _check_combinations(self, explicit: set[str]) -> list[tuple[str, str]]:
+        problems = []
+        order = self.placement_order
+        if sorted(order) != ["D", "P", "T"]:
+            perms = ", ".join(repr("".join(p)) for p in itertools.permutations("DPT"))
+            problems.append(("placement_strategy",
+                             f"{self.placement_strategy!r} is not valid; use 'cluster', "
+                             f"'spread' or a permutation of the letters D, P, T: {perms}"))
+        if self.bf16 and (self.fp16 or self.fp16_params):
+            problems.append(("bf16", "bf16=True cannot be combined with fp16=True; "
+                                     "choose one half-precision type"))
+        if self.default_partition >= self.pipeline_parallel_degree:
+            problems.append(("default_partition",
+                             f"{self.default_partition} is not a pipeline stage; valid stages "
+                             f"are 0..{self.pipeline_parallel_degree - 1} "
+                             f"(pipeline_parallel_degree={self.pipeline_parallel_degree})"))
+        sdp = self.sharded_data_parallel_degree
+        if sdp > 1 and self.hybrid_shard_degree not in (0, sdp):
+            problems.append(("sharded_data_parallel_degree",
+                             f"{sdp} conflicts with hybrid_shard_degree="
+                             f"{self.hybrid_shard_degree}; set only one of them"))
+        for key, why in _NOT_BUILT.items():
+            value = getattr(self, key)
+            default = Config.__dataclass_fields__[key].default
+            if value != default:
+                problems.append((key, f"{value!r} is not supported yet ({why}); "
+                                      f"valid value: {default!r}"))
+        return problems
+
+
+_DEGREE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree",
+                "context_parallel_degree", "expert_parallel_degree")
+
+# Keys whose non-default values name features this library does not provide yet.
+_NOT_BUILT = {
+    "context_parallel_degree": "context parallelism is not built yet",
+    "expert_parallel_degree": "expert parallelism is not built yet",
+    "horovod": "modelparallel uses torch.distributed, not Horovod",
+    "shard_optimizer_state": "use hybrid_shard_degree to shard optimizer state with FSDP",
+    "offload_activations": "activation offloading is not built yet",
+    "sm_activation_offloading": "activation offloading is not built yet",
+    "delayed_parameter_initialization": "delayed parameter initialization is not built yet",
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_field(f: dataclasses.Field, value: Any) -> str | None:
+    meta = f.metadata
+    kind = meta["kind"] or _annotation_kind(f)
+    if value is None:
+        return None if f.default is None else f"must not be null; default is {f.default!r}"
+    if isinstance(value, bool) and kind is not bool:
+        return f"{value!r} has type bool; expected {_kind_name(kind)}"
+    if not isinstance(value, kind):
+        return f"{value!r} has type {type(value).__name__}; expected {_kind_name(kind)}"
+    if meta["choices"] and value not in meta["choices"]:
+        valid = ", ".join(repr(c) for c in meta["choices"])
+        return f"{value!r} is not one of {valid}"
+    lo, hi = meta["min"], meta["max"]
+    if lo is not None and value < lo:
+        return f"{value!r} is out of range; must be >= {lo}" + (f" and <= {hi}" if hi else "")
+    if hi is not None and value > hi:
+        return f"{value!r} is out of range; must be <= {hi}" + (
+            f" and >= {lo}" if lo is not None else "")
+    return None
+
+
+def _annotation_kind(f: dataclasses.Field) -> type:
+    name = str(f.type).split("|")[0].strip()
+    return {"int": int, "str": str, "bool": bool, "float": float}[name]
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(k.__name__ for k in kind)
+    return kind.__name__
+
+
+def _read_source(source: Any) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, Config):
+        return source.to_dict()
+    if isinstance(source, Mapping):
+        return _unwrap(dict(source))
+    if isinstance(source, (str, os.PathLike)):
+        return _unwrap(read_config_file(source))
+    raise ConfigError([("configuration", f"cannot read a configuration from a "
+                                         f"{type(source).__name__}; pass a dict, a path to "
+                                         f"a JSON or YAML file, or None")])
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a JSON or YAML configuration file (by extension; otherwise JSON, then YAML)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([("configuration", f"file {str(p)!r} does not exist")])
+    text = p.read_text()
+    try:
+        if p.suffix.lower() in (".yaml", ".yml"):
+            data = _yaml_load(text)
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError:
+                if p.suffix.lower() == ".json":
+                    raise
+                data = _yaml_load(text)
+    except Exception as e:
+        raise ConfigError([("configuration", f"cannot parse {str(p)!r}: {e}")]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([("configuration", f"{str(p)!r} holds a {type(data).__name__}; "
+                                             f"expected a mapping of keys to values")])
+    return data
+
+
+def _yaml_load(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def _unwrap(data: dict[str, Any]) -> dict[str, Any]:
+    """Accept SageMaker's ``{"enabled": True, "parameters": {...}}`` wrapper too."""
+    if set(data) <= {"enabled", "parameters"} and isinstance(data.get("parameters"), dict):
+        return dict(data["parameters"])
+    return data
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def normalise(data: dict[str, Any], origin: str) -> dict[str, Any]:
+    """Resolve aliases, reject unknown keys with suggestions, coerce integral floats."""
+    problems = []
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = ALIASES.get(key, key)
+        if name not in _FIELD_NAMES:
+            close = difflib.get_close_matches(key, [*_FIELD_NAMES, *ALIASES], n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else \
+                "see `modelparallel check-config --list` for the valid keys"
+            problems.append((key, f"unknown key in {origin}; {hint}"))
+            continue
+        if name in out and out[name] != value:
+            problems.append((key, f"{value!r} conflicts with {name}={out[name]!r} "
+                                  f"({key} is an alias of {name}); set only one"))
+            continue
+        out[name] = _coerce(name, value)
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def _coerce(name: str, value: Any) -> Any:
+    # JSON writes large integers as 5e8; accept integral floats for integer keys.
+    f = Config.__dataclass_fields__[name]
+    if isinstance(value, float) and value.is_integer() and str(f.type).startswith("int"):
+        return int(value)
+    return value
+
+
+def describe_keys() -> str:
+    """A table of every key with its default and meaning (for ``check-config --list``)."""
+    rows = []
+    for f in dataclasses.fields(Config):
+        alias = [a for a, n in ALIASES.items() if n == f.name]
+        name = f.name + (f" (alias: {', '.join(alias)})" if alias else "")
+        rows.append(f"{name:45} default={f.default!r:14} {f.metadata['doc']}")
+    return "\n".join(rows)

@@ -1,0 +1,77 @@
+"""Data loading keyed by the data-parallel rank: one model replica, one stream of samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.utils.data as tud
+
+from modelparallel.state import state
+
+
+class BatchSizeError(ValueError):
+    """A batch that cannot be split into ``microbatches`` equal pieces."""
+
+
+def replica_rank_and_size() -> tuple[int, int]:
+    """Which slice of the data this rank reads, and how many slices there are.
+
+    As SMP v1: ``(dp_rank, dp_size)``, so the pipeline stages of one replica read the
+    same samples; with ``prescaled_batch`` the ranks of a tensor-parallel group read
+    the same samples too, ``(rdp_rank, rdp_size)``.
+    """
+    s = state.require("mp.data")
+    from modelparallel.topology import CommGroup
+
+    group = CommGroup.RDP_GROUP if s.config.prescaled_batch else CommGroup.DP_GROUP
+    return s.topology.rank_in(s.rank, group), s.topology.size_of(group)
+
+
+def check_microbatches(batch_size: int, microbatches: int, *, where: str = "the batch") -> None:
+    """Raise a BatchSizeError when ``batch_size`` does not split into ``microbatches``."""
+    if batch_size % microbatches:
+        lower = batch_size // microbatches * microbatches
+        upper = lower + microbatches
+        options = f"{lower} or {upper}" if lower else f"{upper}"
+        raise BatchSizeError(
+            f"{where} has {batch_size} samples, which does not split into microbatches="
+            f"{microbatches} equal parts; use a batch size that is a multiple of "
+            f"{microbatches} (e.g. {options}), or drop_last=True so that every batch is full")
+
+
+class DistributedSampler(tud.DistributedSampler):
+    """``torch.utils.data.DistributedSampler`` over the data-parallel replicas.
+
+    Every rank of one model replica gets the same indices; shuffling is seeded
+    (same permutation on every rank; call ``set_epoch`` each epoch).
+    """
+
+    def __init__(self, dataset: tud.Dataset, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False):
+        rank, replicas = replica_rank_and_size()
+        super().__init__(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,
+                         seed=seed, drop_last=drop_last)
+
+
+class DataLoader(tud.DataLoader):
+    """A ``torch.utils.data.DataLoader`` reading this rank's share of ``dataset``.
+
+    ``batch_size`` is per model replica. Checks up front that every batch splits into
+    the configured ``microbatches`` (the last, partial one too unless ``drop_last``).
+    """
+
+    def __init__(self, dataset: tud.Dataset, batch_size: int, *, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False, **kwargs: Any):
+        microbatches = state.require("mp.data.DataLoader").config.microbatches
+        check_microbatches(batch_size, microbatches, where=f"batch_size={batch_size}")
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        last = len(sampler) % batch_size
+        if last and not drop_last:
+            check_microbatches(last, microbatches, where=f"the last batch of each epoch "
+                               f"({len(sampler)} samples per replica, batch_size={batch_size})")
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                         **kwargs)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for a new epoch (same order on every rank)."""
+        self.sampler.set_epoch(epoch)

@@ -1,0 +1,1 @@
+"""Launching: the ``modelparallel`` command line over torch.distributed.run."""

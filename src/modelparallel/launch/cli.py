@@ -1,0 +1,83 @@
+"""The ``modelparallel`` command: ``run`` a training script, ``check-config`` a file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from modelparallel.config import Config, ConfigError, describe_keys, read_config_file
+from modelparallel.launch.run import RunOptions, run
+from modelparallel.topology import Topology
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modelparallel", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="launch a training script on this node (torchrun)",
+                       description="Launch SCRIPT in N processes per node. Single-node jobs "
+                                   "bind to 127.0.0.1; give --nnodes/--rdzv-endpoint for "
+                                   "several nodes.")
+    r.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes on this node (default: one per GPU, else 1)")
+    r.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    r.add_argument("--node-rank", type=int, default=None,
+                   help="this node's rank (static rendezvous at --rdzv-endpoint)")
+    r.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT every node can reach")
+    r.add_argument("--rdzv-id", default="modelparallel", help="job id shared by all nodes")
+    r.add_argument("--config", default=None,
+                   help="JSON or YAML configuration; overrides the script's (MP_CONFIG)")
+    r.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the worker group this many times after a failure")
+    r.add_argument("--log-dir", default=None, help="keep each worker's output here")
+    r.add_argument("script", help="the training script")
+    r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    c = sub.add_parser("check-config", help="validate a configuration file without starting "
+                                            "anything")
+    c.add_argument("file", nargs="?", help="JSON or YAML configuration")
+    c.add_argument("--world-size", type=int, default=None,
+                   help="also check the degrees against this many processes")
+    c.add_argument("--list", action="store_true", help="list every key with its default")
+    return p
+
+
+def check_config(file: str | None, world_size: int | None, list_keys: bool) -> int:
+    if list_keys:
+        print(describe_keys())
+        if file is None:
+            return 0
+    if file is None:
+        print("modelparallel check-config: give a FILE or --list", file=sys.stderr)
+        return 2
+    try:
+        config = Config.load(read_config_file(file), environ={})
+        topology = Topology.from_config(config, world_size) if world_size else None
+    except ConfigError as e:
+        print(f"{file}: {e}", file=sys.stderr)
+        return 1
+    explicit = read_config_file(file)
+    print(f"{file}: OK ({len(explicit)} keys set)")
+    if topology is not None:
+        print(f"layout: {topology.describe()}")
+    print(json.dumps({k: v for k, v in config.to_dict().items() if k in explicit
+                      or (k == "pipeline_parallel_degree" and "partitions" in explicit)}, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.command == "check-config":
+        sys.exit(check_config(args.file, args.world_size, args.list))
+    script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+    try:
+        code = run(RunOptions(
+            script=args.script, script_args=script_args, nproc_per_node=args.nproc_per_node,
+            nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id, config=args.config, max_restarts=args.max_restarts,
+            log_dir=args.log_dir))
+    except ConfigError as e:
+        print(f"modelparallel run: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)

@@ -1,0 +1,139 @@
+"""``modelparallel run``: torch.distributed.run (torchrun) with our defaults around it.
+
+What this adds to torchrun: the configuration is checked before any process starts
+and passed to the workers as ``MP_CONFIG``; output lines carry the global rank;
+single-node jobs bind to loopback; and a failure ends with one summary naming the
+rank that failed first, its exit code and the tail of its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import elastic_launch
+
+from modelparallel.config import Config, normalise, read_config_file
+
+LOOPBACK = "127.0.0.1"
+PREFIX = "[rank${rank}]: "
+
+
+@dataclass
+class RunOptions:
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    nproc_per_node: int | None = None  # default: one per GPU, else 1
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "modelparallel"
+    config: str | None = None
+    max_restarts: int = 0
+    log_dir: str | None = None
+
+
+def default_nproc_per_node() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def launch_config_json(path: str | None, world_size: int) -> str | None:
+    """Read and check a config file for ``world_size`` ranks; the JSON for ``MP_CONFIG``."""
+    if path is None:
+        return None
+    raw = normalise(read_config_file(path), origin=path)
+    Config.load(raw, environ={}).validate_world(world_size)
+    return json.dumps(raw)
+
+
+def torchrun_argv(opts: RunOptions, nproc: int) -> list[str]:
+    """The torchrun command line equivalent to ``opts`` (the worker wrapper is added later)."""
+    argv = [f"--nproc-per-node={nproc}", f"--nnodes={opts.nnodes}",
+            f"--max-restarts={opts.max_restarts}", "--tee=3"]
+    if opts.log_dir:
+        argv.append(f"--log-dir={opts.log_dir}")
+    if opts.nnodes == 1 and opts.rdzv_endpoint is None:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:0",
+                 f"--local-addr={LOOPBACK}"]
+    elif opts.node_rank is not None:  # fixed node ranks: static rendezvous at the endpoint
+        host, _, port = (opts.rdzv_endpoint or f"{LOOPBACK}:29500").rpartition(":")
+        argv += ["--rdzv-backend=static", f"--master-addr={host}", f"--master-port={port}",
+                 f"--node-rank={opts.node_rank}"]
+    else:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={opts.rdzv_endpoint}",
+                 f"--rdzv-id={opts.rdzv_id}"]
+    return [*argv, opts.script, *opts.script_args]
+
+
+def run(opts: RunOptions) -> int:
+    """Launch the workers, wait for them, and return the exit code for the shell."""
+    if not Path(opts.script).is_file():
+        print(f"modelparallel run: script {opts.script!r} does not exist", file=sys.stderr)
+        return 2
+    nproc = opts.nproc_per_node or default_nproc_per_node()
+    mp_config = launch_config_json(opts.config, opts.nnodes * nproc)
+    args = torchrun.parse_args(torchrun_argv(opts, nproc))
+
+    if mp_config is not None:
+        os.environ["MP_CONFIG"] = mp_config
+    if opts.nnodes == 1 and opts.rdzv_endpoint is None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if opts.max_restarts > 0:
+        # torch 2.13: restarting a SIGKILLed gloo group over the agent's shared store hangs
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", PREFIX)
+    if nproc > 1:  # what torchrun would set, without its banner
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    config, _, cmd_args = torchrun.config_from_args(args)
+    # cmd_args is ["-u", script, *script_args]; run the script through our worker wrapper
+    # so an uncaught error reaches the summary without the script using @record.
+    entry_args = ["-u", "-m", "modelparallel.launch.worker", *cmd_args[1:]]
+    try:
+        elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
+    except ChildFailedError as e:
+        print(failure_summary(e), file=sys.stderr, flush=True)
+        _, first = e.get_first_failure()
+        return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode or 1)
+    return 0
+
+
+def failure_summary(error: ChildFailedError, traceback_lines: int = 20) -> str:
+    """Which rank failed first, with what, and what happened to the others."""
+    rank, first = error.get_first_failure()
+    lines = ["", "=" * 72,
+             f"modelparallel run: rank {rank} (local rank {first.local_rank}) failed first "
+             f"with {_describe_exit(first.exitcode)}"]
+    message = first.message if isinstance(first.message, str) else json.dumps(first.message)
+    callstack = ""
+    if isinstance(first.error_file_data, dict):
+        msg = first.error_file_data.get("message")
+        if isinstance(msg, dict):
+            message = msg.get("message", message)
+            callstack = msg.get("extraInfo", {}).get("py_callstack", "")
+    if message:
+        lines.append(f"  error: {message.strip().splitlines()[-1] if message.strip() else ''}")
+    if callstack:
+        tail = callstack.rstrip().splitlines()[-traceback_lines:]
+        lines += ["  traceback (last lines):", *(f"    {line}" for line in tail)]
+    others = sorted(r for r in error.failures if r != rank)
+    if others:
+        lines.append(f"  also ended: rank(s) {', '.join(map(str, others))}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def _describe_exit(code: int) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"

@@ -1,0 +1,128 @@
+"""Per-step metrics: loss, throughput, step time, peak memory and collective bytes."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from modelparallel.observe.collectives import CollectiveCounter
+from modelparallel.state import state
+from modelparallel.topology import CommGroup
+
+
+@dataclass
+class StepRecord:
+    """One training step as seen by this rank (loss averaged over data-parallel ranks)."""
+
+    step: int
+    samples: int
+    tokens: int | None = None
+    loss: float | None = None
+    step_time_s: float = 0.0
+    samples_per_s: float = 0.0
+    tokens_per_s: float | None = None
+    peak_memory_bytes: int = 0
+    memory_kind: str = "rss"  # "cuda": max allocated this step; "rss": process peak RSS
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # per group, this rank
+    comm_calls: dict[str, int] = field(default_factory=dict)
+
+    def format(self) -> str:
+        parts = [f"step {self.step:>5}"]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        parts.append(f"{self.step_time_s * 1e3:7.1f} ms")
+        parts.append(f"{self.samples_per_s:8.1f} samples/s")
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:9.0f} tokens/s")
+        parts.append(f"mem {self.peak_memory_bytes / 2**20:.0f} MiB ({self.memory_kind})")
+        if self.comm_bytes:
+            comm = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(self.comm_bytes.items()))
+            parts.append(f"comm {comm}")
+        return " | ".join(parts)
+
+
+class StepMetrics:
+    """Measure training steps; rank 0 prints them and appends them to a JSON-lines file.
+
+    Usage::
+
+        metrics = mp.observe.StepMetrics(jsonl="runs/metrics.jsonl", print_every=10)
+        for batch in loader:
+            with metrics.step(samples=global_batch, tokens=global_batch * seq_len) as rec:
+                loss = train_step(batch)
+                rec.loss = loss          # a tensor or a float, this rank's loss
+
+    ``samples``/``tokens`` are the counts the whole job processes in the step.
+    Collective bytes are counted while the step body runs (``count_collectives``).
+    """
+
+    def __init__(self, *, jsonl: str | Path | None = None, print_every: int = 1,
+                 count_collectives: bool = True, printer: Callable[[str], None] | None = None):
+        self.jsonl = Path(jsonl) if jsonl else None
+        self.print_every = print_every
+        self.count_collectives = count_collectives
+        self.printer = printer or (lambda line: print(line, file=sys.stdout, flush=True))
+        self.records: list[StepRecord] = []
+        self._step = 0
+
+    @contextmanager
+    def step(self, *, samples: int, tokens: int | None = None) -> Iterator[StepRecord]:
+        s = state.require("mp.observe.StepMetrics")
+        self._step += 1
+        rec = StepRecord(step=self._step, samples=samples, tokens=tokens)
+        cuda = s.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(s.device)
+        counter = CollectiveCounter(s.group_labels) if self.count_collectives else None
+        start = time.perf_counter()
+        if counter is not None:
+            with counter:
+                yield rec
+        else:
+            yield rec
+        if cuda:
+            torch.cuda.synchronize(s.device)
+        rec.step_time_s = time.perf_counter() - start
+        self._finish(rec, counter, cuda)
+
+    def _finish(self, rec: StepRecord, counter: CollectiveCounter | None, cuda: bool) -> None:
+        s = state
+        rec.samples_per_s = rec.samples / rec.step_time_s
+        if rec.tokens is not None:
+            rec.tokens_per_s = rec.tokens / rec.step_time_s
+        if cuda:
+            rec.peak_memory_bytes, rec.memory_kind = torch.cuda.max_memory_allocated(s.device), \
+                "cuda"
+        else:
+            rec.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if counter is not None:
+            rec.comm_bytes, rec.comm_calls = dict(counter.bytes), dict(counter.calls)
+        if rec.loss is not None:
+            rec.loss = _mean_over_data_parallel(rec.loss)
+        self.records.append(rec)
+        if s.rank == 0:
+            if rec.step % self.print_every == 0 or rec.step == 1:
+                self.printer(rec.format())
+            if self.jsonl is not None:
+                self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+                with self.jsonl.open("a") as f:
+                    f.write(json.dumps(asdict(rec)) + "\n")
+
+
+def _mean_over_data_parallel(loss) -> float:
+    value = torch.as_tensor(loss.detach() if isinstance(loss, torch.Tensor) else loss,
+                            dtype=torch.float64, device=state.device).reshape(())
+    group = state.process_group(CommGroup.DP_GROUP)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(value, group=group)
+        value /= dist.get_world_size(group)
+    return float(value)

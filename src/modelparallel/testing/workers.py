@@ -1,0 +1,164 @@
+"""A group of real gloo worker processes, started once, that runs many cases.
+
+Starting processes and importing torch costs seconds per rank on a small machine,
+so a :class:`WorkerGroup` keeps its processes and default process group alive and
+runs one function after another on every rank::
+
+    with WorkerGroup(4) as group:
+        results = group.run(my_case, steps=5)   # my_case(**kwargs) on ranks 0..3
+
+A case is a module-level function (it is pickled by reference). Each rank's return
+value comes back in rank order; ``modelparallel.reset()`` runs after every case. If
+a rank raises, :class:`WorkerError` carries its traceback; ranks that do not answer
+in time are killed and the group restarts on the next ``run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class WorkerError(RuntimeError):
+    """A case failed (or timed out) on at least one rank."""
+
+
+def _worker_main(rank: int, world_size: int, store_port: int, conn, env: dict[str, str],
+                 collective_timeout_s: float) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(store_port))
+    import torch
+    import torch.distributed as dist
+
+    import modelparallel
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=collective_timeout_s))
+    conn.send_bytes(pickle.dumps(("ready", None)))
+    while True:
+        fn, kwargs = pickle.loads(conn.recv_bytes())
+        if fn is None:
+            break
+        try:
+            reply = ("ok", fn(**kwargs))
+        except BaseException as e:
+            reply = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        finally:
+            modelparallel.reset()
+        try:
+            payload = pickle.dumps(reply)
+        except Exception as e:
+            payload = pickle.dumps(("error", f"result of {fn.__name__} is not picklable: {e}"))
+        conn.send_bytes(payload)
+    dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """``world_size`` gloo processes on this machine that run cases on demand."""
+
+    def __init__(self, world_size: int, *, case_timeout_s: float = 300,
+                 collective_timeout_s: float = 60, env: dict[str, str] | None = None):
+        self.world_size = world_size
+        self.case_timeout_s = case_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self.env = env or {}
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._store = None
+
+    def __enter__(self) -> WorkerGroup:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        if self.alive:
+            return
+        self.close()
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True,
+                                    wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **self.env}
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, daemon=True,
+                            args=(rank, self.world_size, self._store.port, child, env,
+                                  self.collective_timeout_s))
+            p.start()
+            self._procs.append(p)
+            self._conns.append(parent)
+        self._collect("start-up", timeout_s=180)
+
+    def run(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        """Run ``fn(**kwargs)`` on every rank; return the results in rank order."""
+        self.start()
+        message = pickle.dumps((fn, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(message)
+        return self._collect(fn.__name__, timeout_s=self.case_timeout_s)
+
+    def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            now = time.monotonic()
+            if now > deadline:
+                break
+            for rank in list(pending):
+                conn, proc = self._conns[rank], self._procs[rank]
+                if conn.poll(0.05):
+                    status, value = pickle.loads(conn.recv_bytes())
+                    pending.discard(rank)
+                    if status == "error":
+                        errors[rank] = value
+                        # the others may wait in a collective for the failed rank
+                        deadline = min(deadline, time.monotonic() + 10)
+                    else:
+                        results[rank] = value
+                elif not proc.is_alive():
+                    pending.discard(rank)
+                    errors[rank] = f"process died with exit code {proc.exitcode}"
+        if pending or errors:
+            self.close()  # a half-finished group cannot run the next case
+            lines = [f"{what} failed on {self.world_size} ranks:"]
+            lines += [f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items())]
+            if pending:
+                lines.append(f"no answer within {timeout_s:.0f}s from rank(s) {sorted(pending)}")
+            raise WorkerError("\n".join(lines))
+        return results
+
+    def close(self, grace_s: float = 5) -> None:
+        """Ask the workers to exit; kill those still running after ``grace_s``."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send_bytes(pickle.dumps((None, None)))
+        deadline = time.monotonic() + grace_s
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs, self._conns, self._store = [], [], None
