@@ -152,15 +152,22 @@ class Config:
                 launcher = json.loads(environ["MP_CONFIG"])
             except json.JSONDecodeError as e:
                 raise ConfigError([("MP_CONFIG", f"is not valid JSON ({e})")]) from None
+            if not isinstance(launcher, dict):
+                kind = {list: "an array", str: "a string", bool: "a boolean",
+                        type(None): "null"}.get(type(launcher), "a number")
+                raise ConfigError([("MP_CONFIG", f"holds {kind}; expected a JSON object "
+                                                 f"of keys to values")])
             launcher = normalise(_unwrap(launcher), origin="MP_CONFIG")
-        changed = {k: (script[k], v) for k, v in launcher.items()
-                   if k in script and script[k] != v}
-        if changed and environ.get("RANK", "0") == "0":
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        changed = {k: (script.get(k, defaults[k]), v) for k, v in launcher.items()
+                   if script.get(k, defaults[k]) != v}
+        rank0 = environ.get("RANK", "0") == "0"
+        if changed and rank0:
             logger.warning("MP_CONFIG from the launcher overrides the script's configuration: %s",
                            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         merged = {**script, **launcher}
         config = cls(**merged)
-        config._check_values(explicit=set(merged))
+        config._check_values(explicit=set(merged), warn=rank0)
         return config
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,6 +211,9 @@ class Config:
     # -- validation ---------------------------------------------------------------------
     def validate_world(self, world_size: int) -> None:
         """Check the degrees against a world size; raise ConfigError naming every problem."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError([("world_size", f"{world_size!r} is not a number of processes; "
+                                              f"use an integer >= 1")])
         problems: list[tuple[str, str]] = []
         product = self._model_parallel_product()
         if world_size % product:
@@ -221,7 +231,9 @@ class Config:
             key = "hybrid_shard_degree" if self.hybrid_shard_degree else \
                 "sharded_data_parallel_degree"
             if degree and dp % degree:
-                valid = ", ".join(str(d) for d in [0, *_divisors(dp)])
+                # sharded_data_parallel_degree has no 0 ("all ranks"); its minimum is 1
+                zero = [0] if key == "hybrid_shard_degree" else []
+                valid = ", ".join(str(d) for d in [*zero, *_divisors(dp)])
                 problems.append((key, f"{degree} does not divide the data-parallel size {dp} "
                                       f"(world size {world_size} / {product} model-parallel "
                                       f"ranks); valid values: {valid}"))
@@ -235,7 +247,7 @@ class Config:
     def _sdp_degree(self) -> int:
         return self.sharded_data_parallel_degree if self.sharded_data_parallel_degree > 1 else 0
 
-    def _check_values(self, explicit: set[str]) -> None:
+    def _check_values(self, explicit: set[str], warn: bool = True) -> None:
         problems: list[tuple[str, str]] = []
         for f in dataclasses.fields(self):
             msg = _check_field(f, getattr(self, f.name))
@@ -247,7 +259,7 @@ class Config:
         if problems:
             raise ConfigError(problems)
         for f in dataclasses.fields(self):
-            if f.metadata["no_effect"] and getattr(self, f.name) != f.default:
+            if warn and f.metadata["no_effect"] and getattr(self, f.name) != f.default:
                 logger.warning("%s=%r is accepted for compatibility but has no effect in "
                                "modelparallel", f.name, getattr(self, f.name))
 
@@ -260,7 +272,8 @@ class Config:
                              f"{self.placement_strategy!r} is not valid; use 'cluster', "
                              f"'spread' or a permutation of the letters D, P, T: {perms}"))
         if self.bf16 and (self.fp16 or self.fp16_params):
-            problems.append(("bf16", "bf16=True cannot be combined with fp16=True; "
+            other = "fp16" if self.fp16 else "fp16_params"
+            problems.append(("bf16", f"bf16=True cannot be combined with {other}=True; "
                                      "choose one half-precision type"))
         if self.default_partition >= self.pipeline_parallel_degree:
             problems.append(("default_partition",
@@ -347,7 +360,10 @@ def _read_source(source: Any) -> dict[str, Any]:
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a JSON or YAML configuration file (by extension; otherwise JSON, then YAML)."""
+    """Read a JSON or YAML configuration file (by extension; otherwise JSON, then YAML).
+
+    SageMaker's ``{"enabled": ..., "parameters": {...}}`` wrapper is removed.
+    """
     p = Path(path)
     if not p.is_file():
         raise ConfigError([("configuration", f"file {str(p)!r} does not exist")])
@@ -369,7 +385,7 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError([("configuration", f"{str(p)!r} holds a {type(data).__name__}; "
                                              f"expected a mapping of keys to values")])
-    return data
+    return _unwrap(data)
 
 
 def _yaml_load(text: str) -> Any:
@@ -392,6 +408,7 @@ def normalise(data: dict[str, Any], origin: str) -> dict[str, Any]:
     """Resolve aliases, reject unknown keys with suggestions, coerce integral floats."""
     problems = []
     out: dict[str, Any] = {}
+    given_as: dict[str, str] = {}  # canonical name -> the key it was first given as
     for key, value in data.items():
         name = ALIASES.get(key, key)
         if name not in _FIELD_NAMES:
@@ -401,9 +418,12 @@ def normalise(data: dict[str, Any], origin: str) -> dict[str, Any]:
             problems.append((key, f"unknown key in {origin}; {hint}"))
             continue
         if name in out and out[name] != value:
-            problems.append((key, f"{value!r} conflicts with {name}={out[name]!r} "
-                                  f"({key} is an alias of {name}); set only one"))
+            first = given_as[name]
+            alias = key if key in ALIASES else first
+            problems.append((key, f"{value!r} conflicts with {first}={out[name]!r} "
+                                  f"({alias} is an alias of {name}); set only one"))
             continue
+        given_as.setdefault(name, key)
         out[name] = _coerce(name, value)
     if problems:
         raise ConfigError(problems)

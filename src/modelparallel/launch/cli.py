@@ -53,7 +53,7 @@ def check_config(file: str | None, world_size: int | None, list_keys: bool) -> i
         return 2
     try:
         config = Config.load(read_config_file(file), environ={})
-        topology = Topology.from_config(config, world_size) if world_size else None
+        topology = Topology.from_config(config, world_size) if world_size is not None else None
     except ConfigError as e:
         print(f"{file}: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,138 @@
+"""`modelparallel check-config`: exit codes and output for good and bad files, and --list."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from modelparallel.config import Config
+from modelparallel.launch.cli import main
+
+VALID_YAML = "tensor_parallel_degree: 2\npartitions: 2\nmicrobatches: 4\n"
+
+
+def check_config(capsys, *argv: str) -> tuple[int, str, str]:
+    """Run the command in-process; (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as info:
+        main(["check-config", *argv])
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
+def printed_keys(out: str) -> dict:
+    """The JSON object of explicitly set keys that follows the OK line."""
+    return json.loads(out[out.index("{"):])
+
+
+@pytest.fixture
+def valid_file(tmp_path):
+    path = tmp_path / "mp.yaml"
+    path.write_text(VALID_YAML)
+    return str(path)
+
+
+class TestValidFile:
+    """A valid file exits 0 and prints the keys it sets, and the layout for --world-size."""
+
+    def test_ok(self, capsys, valid_file):
+        code, out, err = check_config(capsys, valid_file)
+        assert code == 0
+        assert err == ""
+        assert out.startswith(f"{valid_file}: OK (3 keys set)\n")
+        assert "layout" not in out
+        assert printed_keys(out) == {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2,
+                                     "microbatches": 4}
+
+    def test_world_size_prints_layout(self, capsys, valid_file):
+        code, out, _ = check_config(capsys, valid_file, "--world-size", "8")
+        assert code == 0
+        assert ("layout: 8 ranks: dp_replicate=1 x dp_shard=2 x pp=2 x tp=2 (placement DPT)"
+                in out.splitlines())
+
+    def test_sagemaker_wrapper(self, capsys, tmp_path):
+        path = tmp_path / "sm.json"
+        path.write_text(json.dumps({"enabled": True,
+                                    "parameters": {"tensor_parallel_degree": 2, "ddp": True}}))
+        code, out, _ = check_config(capsys, str(path))
+        assert code == 0
+        assert f"{path}: OK (2 keys set)" in out
+        assert printed_keys(out) == {"tensor_parallel_degree": 2, "ddp": True}
+
+
+class TestInvalidFile:
+    """Problems exit 1 with the message on stderr."""
+
+    def test_unknown_key(self, capsys, tmp_path):
+        path = tmp_path / "mp.yaml"
+        path.write_text("tensor_paralel_degree: 2\n")
+        code, out, err = check_config(capsys, str(path))
+        assert code == 1
+        assert "OK" not in out
+        assert err.startswith(f"{path}: invalid modelparallel configuration")
+        assert "tensor_paralel_degree: unknown key" in err
+        assert "did you mean 'tensor_parallel_degree'" in err
+
+    def test_degrees_not_dividing_world_size(self, capsys, valid_file):
+        code, out, err = check_config(capsys, valid_file, "--world-size", "6")
+        assert code == 1
+        assert "OK" not in out
+        assert ("pipeline_parallel_degree=2 x tensor_parallel_degree=2 = 4 does not divide "
+                "the world size 6") in err
+
+    @pytest.mark.parametrize("world", ["0", "-4"])
+    def test_world_size_must_be_positive(self, capsys, valid_file, world):
+        code, _, err = check_config(capsys, valid_file, "--world-size", world)
+        assert code == 1
+        assert f"world_size: {world} is not a number of processes" in err
+
+    def test_missing_file(self, capsys, tmp_path):
+        path = tmp_path / "missing.yaml"
+        code, _, err = check_config(capsys, str(path))
+        assert code == 1
+        assert "does not exist" in err
+
+    def test_no_file(self, capsys):
+        code, out, err = check_config(capsys)
+        assert code == 2
+        assert out == ""
+        assert "give a FILE or --list" in err
+
+
+class TestList:
+    """--list prints every key with its default and notes the alias."""
+
+    def test_list(self, capsys):
+        code, out, _ = check_config(capsys, "--list")
+        assert code == 0
+        lines = {line.split()[0]: line for line in out.splitlines()}
+        for key, default in [("tensor_parallel_degree", "1"), ("microbatches", "1"),
+                             ("pipeline", "'interleaved'"), ("placement_strategy", "'cluster'"),
+                             ("hybrid_shard_degree", "0"), ("memory_weight", "None"),
+                             ("sdp_reduce_bucket_size", "500000000")]:
+            assert f"default={default} " in lines[key]
+        assert "(alias: partitions)" in lines["pipeline_parallel_degree"]
+
+    def test_list_covers_every_key(self, capsys):
+        _, out, _ = check_config(capsys, "--list")
+        listed = [line.split()[0] for line in out.splitlines()]
+        assert listed == list(Config.__dataclass_fields__)
+
+    def test_list_with_file_checks_it_too(self, capsys, valid_file):
+        code, out, _ = check_config(capsys, "--list", valid_file)
+        assert code == 0
+        assert "default=" in out and f"{valid_file}: OK" in out
+
+
+def test_console_script(tmp_path):
+    """The real entry point, in a fresh interpreter."""
+    path = tmp_path / "mp.yaml"
+    path.write_text(VALID_YAML)
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelparallel", "check-config", str(path), "--world-size", "4"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{path}: OK (3 keys set)" in proc.stdout
+    assert "layout: 4 ranks: dp_replicate=1 x dp_shard=1 x pp=2 x tp=2" in proc.stdout
