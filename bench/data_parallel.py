@@ -21,7 +21,14 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
+import modelparallel as mp
+from modelparallel.models import GPT, GPTConfig
+from modelparallel.models.gpt import lm_loss
+from modelparallel.observe import CollectiveCounter
 from modelparallel.testing import WorkerGroup
 
 MODEL = {"vocab_size": 256, "max_seq_len": 64, "d_model": 256, "n_layers": 8, "n_heads": 8}
@@ -29,15 +36,11 @@ BATCH = 4  # sequences per rank
 
 
 def _model():
-    from modelparallel.models import GPT, GPTConfig
-
     torch.manual_seed(0)
     return GPT(GPTConfig(**MODEL))
 
 
 def _step(model, opt, inputs, targets):
-    from modelparallel.models.gpt import lm_loss
-
     opt.zero_grad(set_to_none=True)
     lm_loss(model(inputs), targets).backward()
     opt.step()
@@ -56,12 +59,6 @@ def time_case(steps: int, replicas: int, shards: int) -> dict:
     two variants step by step; the ratio is the median of adjacent-pair ratios,
     averaged (geometrically) over the rounds, so drift and build order cancel out.
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    import modelparallel as mp
-
     mp.init({"hybrid_shard_degree": shards})
     mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
 
@@ -75,7 +72,8 @@ def time_case(steps: int, replicas: int, shards: int) -> dict:
     ratios, medians = [], {"ours": [], "hand": []}
     for round_ in range(2):
         builders = [("ours", lambda: mp.shard(_model())), ("hand", by_hand)]
-        models = dict((name, build()) for name, build in builders[::1 if round_ == 0 else -1])
+        order = builders if round_ == 0 else builders[::-1]
+        models = {name: build() for name, build in order}
         opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
         times: dict[str, list[float]] = {"ours": [], "hand": []}
         for i in range(steps + 2):  # two warm-up steps each
@@ -96,9 +94,6 @@ def time_case(steps: int, replicas: int, shards: int) -> dict:
 
 def bytes_case(config: dict, kind: str) -> dict:
     """Collective bytes of one steady-state step (the third), per group, on this rank."""
-    import modelparallel as mp
-    from modelparallel.observe import CollectiveCounter
-
     mp.init(config)
     model = _model()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -167,7 +167,7 @@ class Config:
                            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         merged = {**script, **launcher}
         config = cls(**merged)
-        config._check_values(explicit=set(merged), warn=rank0)
+        config._check_values(warn=rank0)
         return config
 
     def to_dict(self) -> dict[str, Any]:
@@ -247,7 +247,7 @@ class Config:
     def _sdp_degree(self) -> int:
         return self.sharded_data_parallel_degree if self.sharded_data_parallel_degree > 1 else 0
 
-    def _check_values(self, explicit: set[str], warn: bool = True) -> None:
+    def _check_values(self, warn: bool = True) -> None:
         problems: list[tuple[str, str]] = []
         for f in dataclasses.fields(self):
             msg = _check_field(f, getattr(self, f.name))
@@ -255,7 +255,7 @@ class Config:
                 problems.append((f.name, msg))
         if problems:  # combinations only make sense on well-typed values
             raise ConfigError(problems)
-        problems.extend(self._check_combinations(explicit))
+        problems.extend(self._check_combinations())
         if problems:
             raise ConfigError(problems)
         for f in dataclasses.fields(self):
@@ -263,7 +263,7 @@ class Config:
                 logger.warning("%s=%r is accepted for compatibility but has no effect in "
                                "modelparallel", f.name, getattr(self, f.name))
 
-    def _check_combinations(self, explicit: set[str]) -> list[tuple[str, str]]:
+    def _check_combinations(self) -> list[tuple[str, str]]:
         problems = []
         order = self.placement_order
         if sorted(order) != ["D", "P", "T"]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from modelparallel.config import Config
+from modelparallel.config import Config, ConfigError
 from modelparallel.topology import GROUP_DIMS, CommGroup, Topology, build_mesh
 
 logger = logging.getLogger("modelparallel")
@@ -77,8 +77,8 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     topology = Topology.from_config(cfg, world_size)  # validates against the world size
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and cfg.ddp_dist_backend != "gloo"
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    device = _device(cfg, local_rank)
+    use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -97,6 +97,21 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     if state.rank == 0:
         logger.info("modelparallel initialized: %s", topology.describe())
     return state
+
+
+def _device(cfg: Config, local_rank: int) -> torch.device:
+    """This rank's GPU, or the CPU; a ConfigError when the backend cannot work here."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.ddp_dist_backend == "nccl" and not gpus:
+        raise ConfigError([("ddp_dist_backend", "'nccl' needs CUDA GPUs and none is visible; "
+                                                "use 'auto' or 'gloo'")])
+    if not gpus or cfg.ddp_dist_backend == "gloo":
+        return torch.device("cpu")
+    if local_rank >= gpus:
+        raise ConfigError([("nproc_per_node", f"LOCAL_RANK {local_rank} has no GPU: only {gpus} "
+                                              f"are visible; launch at most {gpus} processes "
+                                              f"per node")])
+    return torch.device("cuda", local_rank)
 
 
 _MESHES: dict[tuple, tuple[Any, dict[str, Any]]] = {}

@@ -113,3 +113,20 @@ def double_init_case():
 def test_second_init_is_refused(workers):
     for message in workers(2).run(double_init_case):
         assert "already called" in message and "mp.reset()" in message
+
+
+def nccl_without_gpu_case():
+    try:
+        mp.init({"ddp_dist_backend": "nccl"})
+    except mp.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_nccl_without_gpus_is_a_config_error(workers):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    for message in workers(2).run(nccl_without_gpu_case):
+        assert "ddp_dist_backend: 'nccl' needs CUDA GPUs" in message and "'gloo'" in message

@@ -77,6 +77,10 @@ def run(opts: RunOptions) -> int:
     if not Path(opts.script).is_file():
         print(f"modelparallel run: script {opts.script!r} does not exist", file=sys.stderr)
         return 2
+    if opts.nnodes > 1 and opts.rdzv_endpoint is None:
+        print(f"modelparallel run: --nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT, an "
+              f"address of the first node that every node can reach", file=sys.stderr)
+        return 2
     nproc = opts.nproc_per_node or default_nproc_per_node()
     mp_config = launch_config_json(opts.config, opts.nnodes * nproc)
     args = torchrun.parse_args(torchrun_argv(opts, nproc))
