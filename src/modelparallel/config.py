@@ -388,6 +388,13 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return _unwrap(data)
 
 
+def load_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], Config]:
+    """A configuration file on its own (``MP_CONFIG`` ignored): the keys it sets, with
+    aliases resolved, and the checked Config."""
+    explicit = normalise(read_config_file(path), origin=str(path))
+    return explicit, Config.load(explicit, environ={})
+
+
 def _yaml_load(text: str) -> Any:
     import yaml
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from modelparallel.config import Config, ConfigError, describe_keys, read_config_file
+from modelparallel.config import ConfigError, describe_keys, load_config_file
 from modelparallel.launch.run import RunOptions, run
 from modelparallel.topology import Topology
 
@@ -52,17 +52,15 @@ def check_config(file: str | None, world_size: int | None, list_keys: bool) -> i
         print("modelparallel check-config: give a FILE or --list", file=sys.stderr)
         return 2
     try:
-        config = Config.load(read_config_file(file), environ={})
+        explicit, config = load_config_file(file)
         topology = Topology.from_config(config, world_size) if world_size is not None else None
     except ConfigError as e:
         print(f"{file}: {e}", file=sys.stderr)
         return 1
-    explicit = read_config_file(file)
     print(f"{file}: OK ({len(explicit)} keys set)")
     if topology is not None:
         print(f"layout: {topology.describe()}")
-    print(json.dumps({k: v for k, v in config.to_dict().items() if k in explicit
-                      or (k == "pipeline_parallel_degree" and "partitions" in explicit)}, indent=2))
+    print(json.dumps({k: getattr(config, k) for k in explicit}, indent=2))
     return 0
 
 
@@ -70,10 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         sys.exit(check_config(args.file, args.world_size, args.list))
-    script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
     try:
         code = run(RunOptions(
-            script=args.script, script_args=script_args, nproc_per_node=args.nproc_per_node,
+            script=args.script, script_args=args.script_args, nproc_per_node=args.nproc_per_node,
             nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=args.rdzv_id, config=args.config, max_restarts=args.max_restarts,
             log_dir=args.log_dir))

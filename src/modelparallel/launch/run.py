@@ -20,7 +20,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
-from modelparallel.config import Config, normalise, read_config_file
+from modelparallel.config import load_config_file
 
 LOOPBACK = "127.0.0.1"
 PREFIX = "[rank${rank}]: "
@@ -48,9 +48,9 @@ def launch_config_json(path: str | None, world_size: int) -> str | None:
     """Read and check a config file for ``world_size`` ranks; the JSON for ``MP_CONFIG``."""
     if path is None:
         return None
-    raw = normalise(read_config_file(path), origin=path)
-    Config.load(raw, environ={}).validate_world(world_size)
-    return json.dumps(raw)
+    explicit, config = load_config_file(path)
+    config.validate_world(world_size)
+    return json.dumps(explicit)
 
 
 def torchrun_argv(opts: RunOptions, nproc: int) -> list[str]:
