@@ -7,6 +7,7 @@ from typing import Any
 import torch.utils.data as tud
 
 from modelparallel.state import state
+from modelparallel.topology import CommGroup
 
 
 class BatchSizeError(ValueError):
@@ -21,8 +22,6 @@ def replica_rank_and_size() -> tuple[int, int]:
     the same samples too, ``(rdp_rank, rdp_size)``.
     """
     s = state.require("mp.data")
-    from modelparallel.topology import CommGroup
-
     group = CommGroup.RDP_GROUP if s.config.prescaled_batch else CommGroup.DP_GROUP
     return s.topology.rank_in(s.rank, group), s.topology.size_of(group)
 

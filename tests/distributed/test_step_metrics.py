@@ -70,3 +70,18 @@ def test_collective_bytes_match_theory(workers, tmp_path, config, kind, expected
     assert len(printed) == 3 and printed[0].startswith("step     1 | loss ")
     assert "samples/s" in printed[0] and "comm " in printed[0]
     assert results[1]["printed"] == [], "only rank 0 prints"
+
+
+def functional_collective_case():
+    mp.init({})
+    model = mp.shard(blocks_model())
+    weight = model[0].weight  # a DTensor sharded over the 4 ranks
+    with mp.observe.CollectiveCounter(mp.state.group_labels) as counter:
+        weight.full_tensor()  # DTensor gathers with a functional collective
+    return dict(counter.bytes), dict(counter.calls), weight.numel() * weight.element_size()
+
+
+def test_functional_collectives_are_counted(workers):
+    for got_bytes, calls, full in workers(4).run(functional_collective_case):
+        assert calls == {"dp_shard": 1}
+        assert got_bytes == {"dp_shard": full * 3 / 4}

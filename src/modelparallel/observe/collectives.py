@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -104,15 +105,13 @@ class CollectiveCounter(TorchDispatchMode):
         size_of = _FUNCTIONAL_BYTES.get(name)
         if size_of is None:
             return
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
         pg = _resolve_process_group(args[-1])  # group_name is the last positional argument
         self._add(pg.group_name, size_of(_nbytes(args[0]), pg.size()))
 
     def _add(self, group_name: str, nbytes: float) -> None:
         label = self.labels.get(group_name)
         if label is None:
-            pg = dist.distributed_c10d._resolve_process_group(group_name)
+            pg = _resolve_process_group(group_name)
             label = f"group{pg.size()}:{group_name}"
         self.bytes[label] += nbytes
         self.calls[label] += 1
