@@ -1,5 +1,6 @@
 """`modelparallel run` and `check-config` as a shell user meets them."""
 
+import os
 import re
 import socket
 import subprocess
@@ -132,3 +133,20 @@ def test_two_nodes_meet_at_a_rendezvous_endpoint(script, tmp_path):
     assert [n.returncode for n in nodes] == [0, 0], outs
     assert "[rank0]: rank 0 of 4 local 0" in outs[0] and "[rank1]: rank 1 of 4 local 1" in outs[0]
     assert "[rank2]: rank 2 of 4 local 0" in outs[1] and "[rank3]: rank 3 of 4 local 1" in outs[1]
+
+
+def test_plain_python_is_a_world_of_one(script):
+    path = script("""
+        import torch
+        import modelparallel as mp
+        mp.init()
+        model = mp.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+        model(torch.randn(2, 4)).sum().backward()
+        print("world", mp.size(), mp.rank(), mp.dp_size(), flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MP_CONFIG")}
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "world 1 0 1" in proc.stdout
