@@ -18,16 +18,25 @@ class Ran:
         self.seconds = seconds
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT", "MP_CONFIG")
+
+
 @pytest.fixture
-def modelparallel():
+def clean_env() -> dict[str, str]:
+    """This environment without anything a launcher sets, as in a fresh shell."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+
+
+@pytest.fixture
+def modelparallel(clean_env):
     """Run the `modelparallel` command as a user would; returns what it printed."""
 
     def run(*args: str, timeout: float = 300, cwd: Path | None = None) -> Ran:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("MP_", "RANK"))}
         start = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "modelparallel", *map(str, args)],
                               capture_output=True, text=True, timeout=timeout,
-                              cwd=cwd or REPO, env=env)
+                              cwd=cwd or REPO, env=clean_env)
         return Ran(proc, time.monotonic() - start)
 
     return run

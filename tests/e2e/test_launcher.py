@@ -1,6 +1,5 @@
 """`modelparallel run` and `check-config` as a shell user meets them."""
 
-import os
 import re
 import socket
 import subprocess
@@ -113,7 +112,7 @@ def test_missing_script(modelparallel, tmp_path):
     assert ran.code == 2 and "does not exist" in ran.err
 
 
-def test_two_nodes_meet_at_a_rendezvous_endpoint(script, tmp_path):
+def test_two_nodes_meet_at_a_rendezvous_endpoint(script, clean_env):
     """Two launchers, as on two hosts (here both on loopback), form one job."""
     path = script("""
         import modelparallel as mp
@@ -126,7 +125,7 @@ def test_two_nodes_meet_at_a_rendezvous_endpoint(script, tmp_path):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "modelparallel", "run", "--nnodes", "2", "--nproc-per-node",
            "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), str(path)], text=True,
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), str(path)], text=True, env=clean_env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in (0, 1)]
     outs = [n.communicate(timeout=180)[0] for n in nodes]
@@ -135,7 +134,7 @@ def test_two_nodes_meet_at_a_rendezvous_endpoint(script, tmp_path):
     assert "[rank2]: rank 2 of 4 local 0" in outs[1] and "[rank3]: rank 3 of 4 local 1" in outs[1]
 
 
-def test_plain_python_is_a_world_of_one(script):
+def test_plain_python_is_a_world_of_one(script, clean_env):
     path = script("""
         import torch
         import modelparallel as mp
@@ -144,9 +143,7 @@ def test_plain_python_is_a_world_of_one(script):
         model(torch.randn(2, 4)).sum().backward()
         print("world", mp.size(), mp.rank(), mp.dp_size(), flush=True)
     """)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MP_CONFIG")}
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=120, env=clean_env)
     assert proc.returncode == 0, proc.stderr
     assert "world 1 0 1" in proc.stdout
