@@ -1,11 +1,15 @@
 """Train a small GPT on Python's own source code with hybrid sharded data parallelism.
 
     modelparallel run --nproc-per-node 4 examples/gpt/train.py
+    modelparallel run --nproc-per-node 4 examples/gpt/train.py --tensor-parallel-degree 2
 
 By default 4 processes form 2 replicas x 2 shards (hybrid_shard_degree 2): each
 parameter is sharded over 2 ranks (FSDP2) and the 2 shard groups replicate each
 other. Any other layout is one option away (--hybrid-shard-degree 0 shards over all
 ranks, 1 replicates) or comes from a config file (modelparallel run --config ...).
+With --tensor-parallel-degree 2 each block is split over 2 ranks (heads and MLP
+columns, vocabulary-parallel embedding and LM head with a parallel cross-entropy)
+and the data-parallel layout applies to what remains: 4 ranks = 2 TP x 2 shards.
 """
 
 from __future__ import annotations
@@ -14,11 +18,17 @@ import argparse
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import modelparallel as mp
 from modelparallel.datasets import ByteChunks, python_source_bytes, train_val_split
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
+
+
+def scalar(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor (under loss parallelism it is a replicated DTensor)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def parse_args() -> argparse.Namespace:
@@ -32,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--hybrid-shard-degree", type=int, default=2)
+    p.add_argument("--tensor-parallel-degree", type=int, default=1)
     p.add_argument("--text-bytes", type=int, default=2_000_000)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--metrics", default="runs/gpt/metrics.jsonl",
@@ -48,14 +59,18 @@ def held_out_loss(model: torch.nn.Module, data: ByteChunks, batches: int = 8,
     for b in range(batches):
         rows = [data[(b * batch_size + i) % len(data)] for i in range(batch_size)]
         inputs, targets = (torch.stack(t) for t in zip(*rows, strict=True))
-        total += lm_loss(model(inputs), targets).item()
+        with mp.loss_parallel():
+            total += scalar(lm_loss(model(inputs), targets)).item()
     model.train()
     return total / batches
 
 
 def main() -> None:
     args = parse_args()
-    mp.init({"hybrid_shard_degree": args.hybrid_shard_degree})
+    tp = args.tensor_parallel_degree
+    # prescaled_batch: the ranks of a tensor-parallel group read the same batch.
+    mp.init({"hybrid_shard_degree": args.hybrid_shard_degree, "tensor_parallel_degree": tp,
+             "prescaled_batch": tp > 1})
     train_text, val_text = train_val_split(python_source_bytes(args.text_bytes))
     train_data, val_data = ByteChunks(train_text, args.seq_len), ByteChunks(val_text,
                                                                             args.seq_len)
@@ -63,11 +78,12 @@ def main() -> None:
     model = GPT(GPTConfig(vocab_size=ByteChunks.vocab_size, max_seq_len=args.seq_len,
                           d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
     n_params = sum(p.numel() for p in model.parameters())
+    mp.transform(model, loss_parallel=True)  # a no-op when tensor_parallel_degree is 1
     mp.shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     loader = mp.data.DataLoader(train_data, batch_size=args.batch_size, seed=0, drop_last=True)
     metrics = mp.observe.StepMetrics(jsonl=args.metrics, print_every=args.log_every)
-    global_batch = args.batch_size * mp.dp_size()
+    global_batch = args.batch_size * mp.rdp_size()  # one batch per model replica
     if mp.rank() == 0:
         print(f"{mp.state.topology.describe()}; GPT with {n_params / 1e6:.2f}M parameters; "
               f"{len(train_text) / 1e6:.1f} MB of Python source; global batch {global_batch} x "
@@ -80,10 +96,11 @@ def main() -> None:
         for inputs, targets in loader:
             with metrics.step(samples=global_batch, tokens=global_batch * args.seq_len) as rec:
                 optimizer.zero_grad(set_to_none=True)
-                loss = lm_loss(model(inputs), targets)
-                loss.backward()
+                with mp.loss_parallel():  # the loss and its backward on vocabulary shards
+                    loss = lm_loss(model(inputs), targets)
+                    loss.backward()
                 optimizer.step()
-                rec.loss = loss
+                rec.loss = scalar(loss)
             step += 1
             if step == args.steps:
                 break

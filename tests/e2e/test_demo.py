@@ -21,3 +21,15 @@ def test_gpt_demo_learns(modelparallel, tmp_path):
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(lines) == 30
     assert set(lines[-1]["comm_bytes"]) == {"dp_shard", "dp_replicate"}
+
+
+def test_gpt_demo_learns_with_tensor_parallelism(modelparallel, tmp_path):
+    ran = modelparallel("run", "--nproc-per-node", 4, "examples/gpt/train.py",
+                        "--tensor-parallel-degree", 2, "--steps", 20, "--log-every", 10,
+                        "--metrics", tmp_path / "metrics.jsonl", timeout=600)
+    assert ran.code == 0, ran.all
+    assert "dp_replicate=1 x dp_shard=2 x pp=1 x tp=2" in ran.out
+    assert re.search(r"comm dp_shard [\d.]+ MiB, tp [\d.]+ MiB", ran.out), "TP collectives ran"
+    done = re.search(r"training loss ([\d.]+) -> ([\d.]+)", ran.out)
+    first, last = map(float, done.groups())
+    assert first > 5.0 and last < first - 1.0

@@ -1,5 +1,6 @@
 """Reference single-device models used by the examples, tests and benchmarks."""
 
 from modelparallel.models.gpt import GPT, GPTConfig
+from modelparallel.models.vit import ViT, ViTConfig
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "ViT", "ViTConfig"]

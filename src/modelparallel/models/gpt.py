@@ -21,12 +21,20 @@ class GPTConfig:
     tie_embeddings: bool = False
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+class SelfAttention(nn.Module):
+    """Multi-head self-attention; causal for the decoder, bidirectional for the ViT.
+
+    Heads are counted from the projection's width (``-1`` in the view), so the same code
+    runs on the slice of heads a tensor-parallel rank holds.
+    """
+
+    def __init__(self, cfg: GPTConfig, causal: bool = True):
         super().__init__()
         if cfg.d_model % cfg.n_heads:
             raise ValueError(f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}")
         self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.causal = causal
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -37,11 +45,11 @@ class CausalSelfAttention(nn.Module):
         b, s, _ = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:  # (b, s, h*d) -> (b, h, s, d)
-            return t.view(b, s, self.n_heads, -1).transpose(1, 2)
+            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -58,10 +66,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """Pre-norm transformer block: attention then MLP, each with a residual."""
+
+    def __init__(self, cfg: GPTConfig, causal: bool = True):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = SelfAttention(cfg, causal)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
@@ -82,16 +92,10 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        self.apply(init_weights)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq)."""
@@ -103,6 +107,14 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+def init_weights(m: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) weights, zero biases."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+    if isinstance(m, nn.Linear) and m.bias is not None:
+        nn.init.zeros_(m.bias)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

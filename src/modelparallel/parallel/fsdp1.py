@@ -51,16 +51,18 @@ def fsdp1_arguments(s: State, arguments: dict[str, Any]) -> dict[str, Any]:
     if cfg.hybrid_shard_degree == 0 and cfg.sharded_data_parallel_degree <= 1 and topo.tp == 1:
         return args  # SMP v2: 0 means PyTorch's own behaviour
     asked = args.get("sharding_strategy")
+    # Meshes, not bare process groups: FSDP1 finds tensor-parallel DTensor parameters'
+    # mesh through the data-parallel mesh's root.
     if topo.dp_shard == 1:
-        strategy, groups = _S.NO_SHARD, {"process_group": s.meshes["rdp"].get_group()}
+        strategy, groups = _S.NO_SHARD, {"device_mesh": s.meshes["rdp"]}
     elif topo.dp_replicate == 1:
         strategy = _TO_FLAT[asked]
-        groups = {"process_group": s.meshes["dp_shard"].get_group()}
+        groups = {"device_mesh": s.meshes["dp_shard"]}
     else:
         strategy = _TO_HYBRID[asked]
         groups = {"device_mesh": s.mesh["dp_replicate", "dp_shard"]}
         if strategy is _S.NO_SHARD:
-            groups = {"process_group": s.meshes["rdp"].get_group()}
+            groups = {"device_mesh": s.meshes["rdp"]}
     if asked not in (None, strategy) and s.rank == 0:
         logger.warning("FSDP sharding_strategy %s becomes %s to follow hybrid_shard_degree=%d",
                        asked.name, strategy.name, topo.dp_shard)

@@ -6,13 +6,16 @@ its slice. Losses are compared at every step and all parameters at the end.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -47,16 +50,28 @@ def train(model: nn.Module, batches: Sequence[Batch], *,
           optimizer: Callable[[nn.Module], torch.optim.Optimizer],
           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
           replica: tuple[int, int] = (0, 1),
-          group: dist.ProcessGroup | None = None) -> TrainResult:
-    """Train on this replica's rows of every batch; losses are averaged over ``group``."""
+          group: dist.ProcessGroup | None = None,
+          loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+          before_step: Callable[[nn.Module], object] | None = None) -> TrainResult:
+    """Train on this replica's rows of every batch; losses are averaged over ``group``.
+
+    The loss and its backward run inside ``loss_context()`` (``mp.loss_parallel`` for
+    vocabulary-sharded logits); ``before_step(model)`` runs between backward and the
+    optimizer step (gradient clipping).
+    """
     opt = optimizer(model)
     losses = []
     for batch in batches:
         inputs, targets = local_rows(batch, *replica)
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
+        with loss_context():
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+        if before_step is not None:
+            before_step(model)
         opt.step()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
         value = loss.detach().double()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(value, group=group)

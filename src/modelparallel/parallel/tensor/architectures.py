@@ -1,0 +1,163 @@
+"""Built-in tensor-parallel plans for the reference models and Hugging Face families.
+
+Megatron's layout throughout: attention splits by heads (q/k/v column-parallel, the
+output projection row-parallel), MLPs column-then-row, embeddings vocabulary-parallel,
+the LM head column-parallel. Hugging Face classes are named, not imported, so
+``transformers`` stays optional.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from modelparallel.models.gpt import GPT, Block
+from modelparallel.models.vit import ViT
+from modelparallel.parallel.tensor.plans import REPLICATED, SHARDED, TPOptions, TPPlan, builtin
+from modelparallel.parallel.tensor.styles import ColwiseConv1D, FusedColwiseConv1D, RowwiseConv1D
+
+
+def vocab_embedding(o: TPOptions) -> RowwiseParallel:
+    """Embedding rows (the vocabulary) split over ranks; the output is summed."""
+    return RowwiseParallel(input_layouts=Replicate(),
+                           output_layouts=Shard(1) if o.sequence_parallel else Replicate(),
+                           use_local_output=not o.sequence_parallel)
+
+
+def lm_head(o: TPOptions) -> ColwiseParallel:
+    """Column-parallel LM head; with ``loss_parallel`` its logits stay vocabulary-sharded."""
+    return ColwiseParallel(input_layouts=Shard(1) if o.sequence_parallel else Replicate(),
+                           output_layouts=Shard(-1) if o.loss_parallel else Replicate(),
+                           use_local_output=not o.loss_parallel)
+
+
+def shared_input(**kwarg_names: None) -> PrepareModuleInput:
+    """One DTensor input for layers that read the same activation (q, k and v): their
+    input gradients add up first and are all-reduced once, not once per layer."""
+    if kwarg_names:  # the module is called with keyword arguments (Hugging Face)
+        layouts = {name: Replicate() for name in kwarg_names}
+        return PrepareModuleInput(input_kwarg_layouts=layouts, desired_input_kwarg_layouts=layouts)
+    return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+
+
+# -- the reference models (modelparallel.models) --------------------------------------
+
+@builtin(Block)
+def _reference_block(block: Block, o: TPOptions) -> TPPlan:
+    row = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) \
+        if o.sequence_parallel else RowwiseParallel()
+    styles = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+              "attn.v_proj": ColwiseParallel(), "attn.o_proj": row,
+              "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": row}
+    if o.sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        styles |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
+                   "attn": gather, "mlp": gather}
+    else:
+        styles["attn"] = shared_input()
+    return TPPlan(styles=styles,
+                  sizes={"attention heads": block.attn.n_heads,
+                         "MLP width": block.mlp.fc_in.out_features},
+                  rng={"attn": SHARDED}, sequence_parallel=True)
+
+
+@builtin(GPT)
+def _reference_gpt(model: GPT, o: TPOptions) -> TPPlan:
+    styles = {"tok_emb": vocab_embedding(o), "lm_head": lm_head(o)}
+    sizes = {"vocabulary": model.cfg.vocab_size}
+    if o.sequence_parallel:
+        styles |= {"pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0),
+                                              use_local_output=False),
+                   "ln_f": SequenceParallel()}
+        sizes["positions"] = model.cfg.max_seq_len
+    return TPPlan(styles=styles, sizes=sizes, sequence_parallel=True)
+
+
+@builtin(ViT)
+def _reference_vit(model: ViT, o: TPOptions) -> TPPlan:
+    return TPPlan(styles={})  # the blocks are split; patch embedding and head stay whole
+
+
+# -- Hugging Face transformers ---------------------------------------------------------
+
+@builtin("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+def _llama_layer(layer: nn.Module, o: TPOptions) -> TPPlan:
+    cfg = layer.self_attn.config
+    return TPPlan(
+        styles={"self_attn": shared_input(hidden_states=None),
+                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp": shared_input(), "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()},
+        sizes={"attention heads": cfg.num_attention_heads,
+               "key/value heads": cfg.num_key_value_heads,
+               "MLP width": layer.mlp.gate_proj.out_features},
+        rng={"self_attn": SHARDED})
+
+
+@builtin("GPTNeoXLayer")
+def _neox_layer(layer: nn.Module, o: TPOptions) -> TPPlan:
+    # query_key_value is laid out per head ([q k v] of head 0, then head 1, ...), so a
+    # contiguous column split keeps whole heads.
+    return TPPlan(
+        styles={"attention.query_key_value": ColwiseParallel(),
+                "attention.dense": RowwiseParallel(),
+                "mlp.dense_h_to_4h": ColwiseParallel(), "mlp.dense_4h_to_h": RowwiseParallel()},
+        sizes={"attention heads": layer.attention.config.num_attention_heads,
+               "MLP width": layer.mlp.dense_h_to_4h.out_features},
+        rng={"attention": SHARDED})
+
+
+@builtin("GPT2Block")
+def _gpt2_block(block: nn.Module, o: TPOptions) -> TPPlan:
+    if getattr(block, "crossattention", None) is not None:
+        raise NotImplementedError("GPT-2 with cross-attention (add_cross_attention=True) has no "
+                                  "tensor-parallel plan yet")
+    return TPPlan(
+        styles={"attn.c_attn": FusedColwiseConv1D(chunks=3), "attn.c_proj": RowwiseConv1D(),
+                "mlp.c_fc": ColwiseConv1D(), "mlp.c_proj": RowwiseConv1D()},
+        sizes={"attention heads": block.attn.num_heads, "MLP width": block.mlp.c_fc.nf},
+        divide_attrs=("attn.split_size", "attn.num_heads"),
+        rng={"attn": SHARDED, "attn.resid_dropout": REPLICATED})
+
+
+@builtin("ViTLayer")
+def _vit_layer(layer: nn.Module, o: TPOptions) -> TPPlan:
+    return TPPlan(
+        styles={"attention": PrepareModuleInput(input_layouts=(Replicate(), None),
+                                                desired_input_layouts=(Replicate(), None)),
+                "attention.q_proj": ColwiseParallel(), "attention.k_proj": ColwiseParallel(),
+                "attention.v_proj": ColwiseParallel(), "attention.o_proj": RowwiseParallel(),
+                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()},
+        sizes={"attention heads": layer.attention.num_attention_heads,
+               "MLP width": layer.mlp.fc1.out_features},
+        rng={"attention": SHARDED})
+
+
+def _embedding_plan(attr: str):
+    def plan(model: nn.Module, o: TPOptions) -> TPPlan:
+        return TPPlan(styles={attr: vocab_embedding(o)},
+                      sizes={"vocabulary": getattr(model, attr).num_embeddings})
+    return plan
+
+
+def _head_plan(*attrs: str):
+    def plan(model: nn.Module, o: TPOptions) -> TPPlan:
+        attr = next(a for a in attrs if hasattr(model, a))  # renamed across HF versions
+        return TPPlan(styles={attr: lm_head(o)},
+                      sizes={"vocabulary": getattr(model, attr).out_features})
+    return plan
+
+
+builtin("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")(_embedding_plan("embed_tokens"))
+builtin("GPT2Model")(_embedding_plan("wte"))
+builtin("GPTNeoXModel")(_embedding_plan("embed_in"))
+builtin("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "GPT2LMHeadModel")(_head_plan("lm_head"))
+builtin("GPTNeoXForCausalLM")(_head_plan("lm_head", "embed_out"))

@@ -1,0 +1,203 @@
+"""``transform(model)``: find the tensor-parallel plans of a model, check them, apply them."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from modelparallel.config import ConfigError
+from modelparallel.parallel.tensor import rng
+from modelparallel.parallel.tensor.plans import TPOptions, TPPlan, marked, plan_for
+from modelparallel.state import state
+from modelparallel.topology import CommGroup
+
+
+class UnsplitModelWarning(UserWarning):
+    """``tensor_parallel_degree`` > 1, but nothing in the model has a tensor-parallel plan."""
+
+
+@dataclass
+class _Found:
+    path: str
+    module: nn.Module
+    plan: TPPlan
+
+
+def transform(model: nn.Module, *, sequence_parallel: bool = False,
+              loss_parallel: bool = False, device: torch.device | str | None = None,
+              dtype: torch.dtype | None = None) -> nn.Module:
+    """Split ``model`` over the tensor-parallel ranks (SMP v2's ``tsm.transform``).
+
+    Every module with a plan (built-in for the reference models and for Hugging Face
+    GPT-2, Llama/Mistral/Qwen2/Qwen3, GPT-NeoX and ViT; or registered with
+    ``tp_register_with_module``) is split with DTensor's ``parallelize_module`` on the
+    ``tp`` mesh dimension. All sizes are checked first: a head count, width or
+    vocabulary the degree does not divide raises ``ConfigError`` on every rank before
+    any collective. Module names and full shapes are kept (``full_state_dict``).
+
+    ``sequence_parallel``: norms and dropout work on sequence shards (reference
+    models). ``loss_parallel``: the LM head's logits stay split over the vocabulary
+    as a DTensor; compute the loss and call ``backward()`` inside
+    ``mp.loss_parallel()`` and full logits are never gathered. Without it the logits
+    are gathered and any loss code works unchanged.
+
+    With ``tensor_parallel_degree`` 1 the model is returned as it is. Apply data
+    parallelism afterwards (``mp.shard``, FSDP1, ``mp.replicate``).
+    """
+    s = state.require("mp.transform()")
+    if device is not None or dtype is not None:
+        model.to(device=device, dtype=dtype)
+    degree = s.topology.tp
+    if degree == 1:
+        return model
+    options = TPOptions(degree, sequence_parallel, loss_parallel)
+    found = find_plans(model, options)
+    if not found:
+        if s.rank == 0:
+            warnings.warn(_unsplit_message(model, degree), UnsplitModelWarning, stacklevel=2)
+        return model
+    if s.device.type != "cpu":
+        model.to(s.device)
+    tied = _tied_groups(model)
+    mesh = s.meshes["tp"]
+    regions: dict[str, str] = {}
+    for f in found:
+        for attr in f.plan.divide_attrs:
+            _divide_attr(f.module, attr, degree)
+        for sub, style in f.plan.styles.items():
+            parallelize_module(f.module.get_submodule(sub), mesh, style)
+        regions |= {_join(f.path, sub): stream for sub, stream in f.plan.rng.items()}
+    _retie(model, tied)
+    coords = s.topology.coordinate(s.rank)
+    seed = s.config.random_seed + coords["tp"] + 1000 * coords["pp"]
+    rng.install_regions(model, regions, rng.RNGStreams(seed, s.device))
+    _check_same_batch_once(model, s.process_group(CommGroup.TP_GROUP))
+    return model
+
+
+class DifferentBatchError(RuntimeError):
+    """The ranks of one tensor-parallel group were given different inputs."""
+
+
+def _check_same_batch_once(model: nn.Module, group) -> None:
+    """On the first forward, compare a checksum of the inputs over the TP group.
+
+    A split model computes one batch together, so every rank of a tensor-parallel group
+    must pass the same inputs; a loader that shards by ``dp_rank`` (SMP v1's default
+    without ``prescaled_batch``) gives them different ones and training would be
+    silently wrong. One small all-reduce, once.
+    """
+
+    def check(module, args, kwargs):
+        handle.remove()
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        total = sum((t.detach().double().sum() * (i + 1) for i, t in enumerate(tensors)),
+                    torch.zeros((), dtype=torch.float64, device=tensors[0].device)) \
+            if tensors else torch.zeros((), dtype=torch.float64)
+        both = torch.stack([total, -total])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if both[0] != -both[1]:
+            raise DifferentBatchError(
+                "the ranks of a tensor-parallel group were given different inputs; a split "
+                "model needs the same batch on every rank of its group. With mp.data "
+                "loaders set prescaled_batch=True (each TP group then reads one batch, by "
+                "rdp_rank), or shard your data by mp.rdp_rank() / mp.rdp_size().")
+
+    handle = model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def find_plans(model: nn.Module, options: TPOptions) -> list[_Found]:
+    """The plan of every module to split, outermost first; raises ``ConfigError`` if the
+    degree does not divide a size a plan splits, or a plan cannot honour the options."""
+    found, problems, claimed, skipped = [], [], set(), []
+    for path, module in model.named_modules():
+        if any(path == p or path.startswith(p + ".") for p in skipped):
+            continue
+        if marked(module) is False:
+            skipped.append(path)
+            continue
+        if id(module) in claimed:
+            continue
+        name = f"{path or 'model'} ({type(module).__name__})"
+        try:
+            plan = plan_for(module, options)
+        except NotImplementedError as e:
+            problems.append(("tensor_parallel_degree", f"{name}: {e}"))
+            continue
+        if plan is None:
+            continue
+        if options.sequence_parallel and not plan.sequence_parallel:
+            problems.append(("sequence_parallel", f"{name}: its tensor-parallel plan does not "
+                             "support sequence parallelism; call transform() without it"))
+        for label, size in plan.sizes.items():
+            if size % options.degree:
+                problems.append(("tensor_parallel_degree",
+                                 f"{name}: {label} = {size} is not divisible by "
+                                 f"tensor_parallel_degree={options.degree}"))
+        for sub in plan.styles:
+            claimed.update(id(m) for m in module.get_submodule(sub).modules())
+        found.append(_Found(path, module, plan))
+    if any(key == "tensor_parallel_degree" for key, _ in problems):
+        sizes = [size for f in found for size in f.plan.sizes.values()]
+        largest = math.gcd(*sizes) if sizes else 1
+        allowed = [d for d in range(1, largest + 1) if largest % d == 0]
+        problems.append(("tensor_parallel_degree",
+                         f"this model allows tensor_parallel_degree in {allowed}"))
+    if problems:
+        raise ConfigError(problems)
+    return found
+
+
+def _join(path: str, sub: str) -> str:
+    return ".".join(p for p in (path, sub) if p)
+
+
+def _divide_attr(module: nn.Module, dotted: str, degree: int) -> None:
+    owner_path, _, attr = dotted.rpartition(".")
+    owner = module.get_submodule(owner_path)
+    if hasattr(owner, attr):
+        setattr(owner, attr, getattr(owner, attr) // degree)
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, parameter name) of every parameter used by more than one module."""
+    users: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            users.setdefault(id(param), []).append((module, name))
+    return [u for u in users.values() if len(u) > 1]
+
+
+def _retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Parameters shared before the split (tied embeddings) are shared after it."""
+    for group in tied:
+        params = [getattr(m, n) for m, n in group]
+        first = params[0]
+        if all(p is first for p in params):
+            continue
+        specs = {(p.placements, p.device_mesh) if isinstance(p, DTensor) else None for p in params}
+        if len(specs) > 1:
+            names = [f"{type(m).__name__}.{n}" for m, n in group]
+            raise ConfigError([("tensor_parallel_degree",
+                                f"tied parameters {names} would be split differently; split "
+                                "both the same way or neither (mp.set_tensor_parallelism)")])
+        for module, name in group:
+            setattr(module, name, first)
+
+
+def _unsplit_message(model: nn.Module, degree: int) -> str:
+    classes = sorted({type(m).__name__ for m in model.modules()
+                      if next(m.parameters(recurse=False), None) is not None})
+    return (f"tensor_parallel_degree={degree}, but no module of {type(model).__name__} has a "
+            f"tensor-parallel plan (modules with parameters: {', '.join(classes)}). It is left "
+            f"unsplit: each of the {degree} tensor-parallel ranks holds and computes the whole "
+            "model. Register a plan with mp.tp_register_with_module(cls, plan) or mark modules "
+            "with mp.set_tensor_parallelism(module); see docs/tensor-parallel.md.")
