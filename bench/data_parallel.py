@@ -16,18 +16,14 @@ measured in this one run:
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
-import time
 
 import torch
-import torch.distributed as dist
+from paired_timing import compare_step_times, lm_batch, lm_step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import modelparallel as mp
 from modelparallel.models import GPT, GPTConfig
-from modelparallel.models.gpt import lm_loss
 from modelparallel.observe import CollectiveCounter
 from modelparallel.testing import WorkerGroup
 
@@ -40,24 +36,18 @@ def _model():
     return GPT(GPTConfig(**MODEL))
 
 
-def _step(model, opt, inputs, targets):
-    opt.zero_grad(set_to_none=True)
-    lm_loss(model(inputs), targets).backward()
-    opt.step()
+
+
 
 
 def _batch():
-    g = torch.Generator().manual_seed(0)
-    seq = torch.randint(MODEL["vocab_size"], (BATCH, MODEL["max_seq_len"] + 1), generator=g)
-    return seq[:, :-1], seq[:, 1:]
+    return lm_batch(MODEL["vocab_size"], MODEL["max_seq_len"], BATCH)
 
 
 def time_case(steps: int, replicas: int, shards: int) -> dict:
     """Step times of mp.shard and of the same plan applied by hand with fully_shard.
 
-    Two rounds with fresh models, built in opposite order, each alternating the
-    two variants step by step; the ratio is the median of adjacent-pair ratios,
-    averaged (geometrically) over the rounds, so drift and build order cancel out.
+    Measured by ``paired_timing.compare_step_times`` (alternating steps, two rounds).
     """
     mp.init({"hybrid_shard_degree": shards})
     mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
@@ -68,28 +58,9 @@ def time_case(steps: int, replicas: int, shards: int) -> dict:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
 
-    inputs, targets = _batch()
-    ratios, medians = [], {"ours": [], "hand": []}
-    for round_ in range(2):
-        builders = [("ours", lambda: mp.shard(_model())), ("hand", by_hand)]
-        order = builders if round_ == 0 else builders[::-1]
-        models = {name: build() for name, build in order}
-        opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
-        times: dict[str, list[float]] = {"ours": [], "hand": []}
-        for i in range(steps + 2):  # two warm-up steps each
-            for name in ("ours", "hand") if i % 2 else ("hand", "ours"):
-                dist.barrier()
-                start = time.perf_counter()
-                _step(models[name], opts[name], inputs, targets)
-                dist.barrier()
-                if i >= 2:
-                    times[name].append(time.perf_counter() - start)
-        ratios.append(statistics.median(a / b for a, b in zip(times["ours"], times["hand"],
-                                                               strict=True)))
-        for name in medians:
-            medians[name].append(statistics.median(times[name]))
-    return {"ratio": math.prod(ratios) ** (1 / len(ratios)),
-            **{name: statistics.mean(v) for name, v in medians.items()}}
+    return compare_step_times(lambda: mp.shard(_model()), by_hand,
+                              lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                              _batch(), steps)
 
 
 def bytes_case(config: dict, kind: str) -> dict:
@@ -101,9 +72,9 @@ def bytes_case(config: dict, kind: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inputs, targets = _batch()
     for _ in range(2):  # DDP rebuilds its buckets in step 2
-        _step(model, opt, inputs, targets)
+        lm_step(model, opt, inputs, targets)
     with CollectiveCounter(mp.state.group_labels) as counter:
-        _step(model, opt, inputs, targets)
+        lm_step(model, opt, inputs, targets)
     return {"param_bytes": param_bytes, "bytes": dict(counter.bytes)}
 
 

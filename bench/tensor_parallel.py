@@ -19,14 +19,11 @@ measured in this one run:
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
-import time
 import warnings
 from collections import Counter
 
 import torch
-import torch.distributed as dist
+from paired_timing import compare_step_times, lm_batch
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
@@ -53,16 +50,8 @@ def _model(**overrides):
     return GPT(GPTConfig(**(MODEL | overrides)))
 
 
-def _step(model, opt, inputs, targets):
-    opt.zero_grad(set_to_none=True)
-    lm_loss(model(inputs), targets).backward()
-    opt.step()
 
 
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    seq = torch.randint(MODEL["vocab_size"], (BATCH, MODEL["max_seq_len"] + 1), generator=g)
-    return seq[:, :-1], seq[:, 1:]
 
 
 _NOT_COMMS = {"wait_tensor", "_wrap_tensor_autograd"}  # bookkeeping ops, no traffic
@@ -113,12 +102,14 @@ def _root_plan():
             "lm_head": ColwiseParallel(output_layouts=Replicate())}
 
 
+def _batch():
+    return lm_batch(MODEL["vocab_size"], MODEL["max_seq_len"], BATCH)
+
+
 def time_case(steps: int, shards: int) -> dict:
     """Step times of mp.transform + mp.shard and of the same plan applied by hand.
 
-    Two rounds with fresh models, built in opposite order, each alternating the
-    two variants step by step; the ratio is the median of adjacent-pair ratios,
-    averaged (geometrically) over the rounds, so drift and build order cancel out.
+    Measured by ``paired_timing.compare_step_times`` (alternating steps, two rounds).
     """
     # Both variants' root returns the LM head's gathered logits, a view; FSDP2 warns of it.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
@@ -137,28 +128,8 @@ def time_case(steps: int, shards: int) -> dict:
             fully_shard(block, mesh=dp_mesh)
         return fully_shard(model, mesh=dp_mesh)
 
-    inputs, targets = _batch()
-    ratios, medians = [], {"ours": [], "hand": []}
-    for round_ in range(2):
-        builders = [("ours", ours), ("hand", by_hand)]
-        order = builders if round_ == 0 else builders[::-1]
-        models = {name: build() for name, build in order}
-        opts = {name: torch.optim.SGD(m.parameters(), lr=1e-2) for name, m in models.items()}
-        times: dict[str, list[float]] = {"ours": [], "hand": []}
-        for i in range(steps + 2):  # two warm-up steps each
-            for name in ("ours", "hand") if i % 2 else ("hand", "ours"):
-                dist.barrier()
-                start = time.perf_counter()
-                _step(models[name], opts[name], inputs, targets)
-                dist.barrier()
-                if i >= 2:
-                    times[name].append(time.perf_counter() - start)
-        ratios.append(statistics.median(a / b for a, b in zip(times["ours"], times["hand"],
-                                                               strict=True)))
-        for name in medians:
-            medians[name].append(statistics.median(times[name]))
-    return {"ratio": math.prod(ratios) ** (1 / len(ratios)), "rounds": ratios,
-            **{name: statistics.mean(v) for name, v in medians.items()}}
+    return compare_step_times(ours, by_hand, lambda m: torch.optim.SGD(m.parameters(), lr=1e-2),
+                              _batch(), steps)
 
 
 def megatron_bytes_per_layer(t: int, element_size: int = 4) -> float:

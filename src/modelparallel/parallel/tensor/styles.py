@@ -36,18 +36,24 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict,
         module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
 
 
+def _apply_conv1d(style: ColwiseParallel | RowwiseParallel, module: nn.Module,
+                  device_mesh: DeviceMesh, placements: dict) -> nn.Module:
+    """``style._apply`` with ``Conv1D`` parameters distributed to ``placements``."""
+
+    def partition(name, mod, mesh):
+        _distribute_params(mod, mesh, placements, style.src_data_rank)
+
+    return distribute_module(
+        module, device_mesh, partition,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+
+
 class ColwiseConv1D(ColwiseParallel):
     """Column-parallel ``Conv1D``: weight ``(in, out)`` sharded on ``out``, bias too."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(name, mod, mesh):
-            _distribute_params(mod, mesh, {"weight": Shard(1), "bias": Shard(0)},
-                               self.src_data_rank)
-
-        return distribute_module(
-            module, device_mesh, partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+        return _apply_conv1d(self, module, device_mesh, {"weight": Shard(1), "bias": Shard(0)})
 
 
 class RowwiseConv1D(RowwiseParallel):
@@ -55,15 +61,8 @@ class RowwiseConv1D(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
-
-        def partition(name, mod, mesh):
-            _distribute_params(mod, mesh, {"weight": Shard(0), "bias": Replicate()},
-                               self.src_data_rank)
-
-        return distribute_module(
-            module, device_mesh, partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+        return _apply_conv1d(self, module, device_mesh,
+                             {"weight": Shard(0), "bias": Replicate()})
 
 
 class FusedColwiseConv1D(ColwiseParallel):
