@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed import run as torchrun
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import elastic_launch
 
 from modelparallel.config import load_config_file
@@ -104,14 +104,30 @@ def run(opts: RunOptions) -> int:
         elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
     except ChildFailedError as e:
         print(failure_summary(e), file=sys.stderr, flush=True)
-        _, first = e.get_first_failure()
+        _, first = first_failure(e)
         return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode or 1)
     return 0
 
 
+def _stopped_by_launcher(failure: ProcessFailure) -> bool:
+    # torchrun's agent ends the still-running workers with SIGTERM once one has failed
+    return failure.exitcode == -signal.SIGTERM
+
+
+def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The rank whose failure ended the run, and that failure.
+
+    torchrun orders failures by a timestamp in whole seconds and breaks ties by rank, so
+    a rank it stopped with SIGTERM can come before the one that failed. Those are only
+    chosen when every rank was stopped that way.
+    """
+    return min(error.failures.items(),
+               key=lambda item: (_stopped_by_launcher(item[1]), item[1].timestamp, item[0]))
+
+
 def failure_summary(error: ChildFailedError, traceback_lines: int = 20) -> str:
     """Which rank failed first, with what, and what happened to the others."""
-    rank, first = error.get_first_failure()
+    rank, first = first_failure(error)
     lines = ["", "=" * 72,
              f"modelparallel run: rank {rank} (local rank {first.local_rank}) failed first "
              f"with {_describe_exit(first.exitcode)}"]
@@ -128,8 +144,12 @@ def failure_summary(error: ChildFailedError, traceback_lines: int = 20) -> str:
         tail = callstack.rstrip().splitlines()[-traceback_lines:]
         lines += ["  traceback (last lines):", *(f"    {line}" for line in tail)]
     others = sorted(r for r in error.failures if r != rank)
-    if others:
-        lines.append(f"  also ended: rank(s) {', '.join(map(str, others))}")
+    failed = [r for r in others if not _stopped_by_launcher(error.failures[r])]
+    stopped = [r for r in others if _stopped_by_launcher(error.failures[r])]
+    if failed:
+        lines.append(f"  also failed: rank(s) {', '.join(map(str, failed))}")
+    if stopped:
+        lines.append(f"  stopped by the launcher: rank(s) {', '.join(map(str, stopped))}")
     lines.append("=" * 72)
     return "\n".join(lines)
 
