@@ -1,6 +1,10 @@
 """How `modelparallel run` options become a torchrun command line."""
 
-from modelparallel.launch.run import RunOptions, torchrun_argv
+import signal
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from modelparallel.launch.run import RunOptions, failure_summary, first_failure, torchrun_argv
 
 
 def test_single_node_binds_to_loopback_and_tees_output():
@@ -32,3 +36,22 @@ def test_several_nodes_need_an_endpoint(tmp_path, capsys):
     script.write_text("pass\n")
     assert run(RunOptions(script=str(script), nnodes=2)) == 2
     assert "--nnodes 2 needs --rdzv-endpoint HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_rank_the_launcher_stopped_is_never_the_first_failure(tmp_path):
+    """torchrun's timestamps are whole seconds; a tie must not blame a SIGTERMed rank."""
+    def failure(rank: int, exitcode: int) -> ProcessFailure:
+        f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode,
+                           error_file=str(tmp_path / "none"))
+        f.timestamp = 1000
+        return f
+
+    error = ChildFailedError("train.py", {0: failure(0, -signal.SIGTERM), 1: failure(1, 1),
+                                          2: failure(2, -signal.SIGKILL)})
+    assert first_failure(error)[0] == 1
+    summary = failure_summary(error)
+    assert "rank 1 (local rank 1) failed first with exit code 1" in summary
+    assert "also failed: rank(s) 2" in summary
+    assert "stopped by the launcher: rank(s) 0" in summary
+    only_stopped = ChildFailedError("train.py", {3: failure(3, -signal.SIGTERM)})
+    assert first_failure(only_stopped)[0] == 3
