@@ -72,9 +72,13 @@ class OpCounter(CollectiveCounter):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+# every rank of the TP group passes the same batch, as in the by-hand and Megatron figures
+TP_SAME_BATCH = {"tensor_parallel_degree": TP, "prescaled_batch": True}
+
+
 def bytes_case(layers: int) -> dict:
     """TP bytes and ops of one forward and one backward, for ``layers`` and ``2*layers``."""
-    mp.init({"tensor_parallel_degree": TP})
+    mp.init(TP_SAME_BATCH)
     inputs, targets = _batch()
     out = {}
     for n_layers in (layers, 2 * layers):
@@ -113,7 +117,7 @@ def time_case(steps: int, shards: int) -> dict:
     """
     # Both variants' root returns the LM head's gathered logits, a view; FSDP2 warns of it.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-    mp.init({"tensor_parallel_degree": TP, "hybrid_shard_degree": shards})
+    mp.init({**TP_SAME_BATCH, "hybrid_shard_degree": shards})
     tp_mesh, dp_mesh = mp.state.meshes["tp"], data_parallel_mesh(mp.state)
 
     def ours():

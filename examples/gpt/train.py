@@ -68,7 +68,8 @@ def held_out_loss(model: torch.nn.Module, data: ByteChunks, batches: int = 8,
 def main() -> None:
     args = parse_args()
     tp = args.tensor_parallel_degree
-    # prescaled_batch: the ranks of a tensor-parallel group read the same batch.
+    # prescaled_batch: the ranks of a tensor-parallel group read the same batch, which
+    # loss_parallel needs (docs/tensor-parallel.md).
     mp.init({"hybrid_shard_degree": args.hybrid_shard_degree, "tensor_parallel_degree": tp,
              "prescaled_batch": tp > 1})
     train_text, val_text = train_val_split(python_source_bytes(args.text_bytes))

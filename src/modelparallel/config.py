@@ -99,7 +99,8 @@ class Config:
                                  choices=("auto", "nccl", "gloo"))
     horovod: bool = _key(False, "TensorFlow/Horovod data parallelism")
     prescaled_batch: bool = _key(
-        False, "ranks of one tensor-parallel group read the same batch (sample by rdp_rank)")
+        False, "ranks of one tensor-parallel group read the same batch (sample by rdp_rank); "
+        "False: each reads its own and the group concatenates them")
     shard_optimizer_state: bool = _key(False, "shard optimizer state over data-parallel ranks")
     # -- precision -------------------------------------------------------------------
     bf16: bool = _key(False, "bfloat16 mixed precision")

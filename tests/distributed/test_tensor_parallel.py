@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import modelparallel as mp
+from modelparallel.data import replica_rank_and_size
 from modelparallel.models import GPT, GPTConfig, ViT, ViTConfig
 from modelparallel.models.gpt import lm_loss
 from modelparallel.testing import assert_parity, local_rows, token_batches, train
@@ -118,39 +119,44 @@ def parallel_model(arch: str, wrap: str, **transform_kwargs) -> nn.Module:
 def parity_case(config: dict, arch: str, wrap: str = "", clipped: bool = False, **tp_kwargs):
     mp.init(config)
     model = parallel_model(arch, wrap, **tp_kwargs)
-    result = run(arch, model, replica=(mp.rdp_rank(), mp.rdp_size()),
-                 group=mp.get_rdp_process_group(), loss_context=mp.loss_parallel,
-                 before_step=clip if clipped else None)
+    # the rows mp.data would give this rank: by dp_rank, or by rdp_rank when prescaled
+    group = mp.get_rdp_process_group() if config.get("prescaled_batch") else \
+        mp.get_dp_process_group()
+    result = run(arch, model, replica=replica_rank_and_size(), group=group,
+                 loss_context=mp.loss_parallel, before_step=clip if clipped else None)
     assert_parity(result, reference(arch, clipped))
     return result.losses
 
 
-TP2 = {"tensor_parallel_degree": 2}
+TP2 = {"tensor_parallel_degree": 2}  # each TP rank reads its own rows (SMP v1's default)
+SAME = {**TP2, "prescaled_batch": True}  # the ranks of a TP group read the same rows
 CASES = [
     # (world size, config, model, data-parallel wrapper, transform options)
     (2, TP2, "gpt", "", {}),
+    (2, SAME, "gpt", "", {}),
     (4, {"tensor_parallel_degree": 4}, "gpt", "", {}),
-    (2, TP2, "gpt", "", {"sequence_parallel": True, "loss_parallel": True}),
-    (4, {**TP2, "hybrid_shard_degree": 2}, "gpt", "shard", {"loss_parallel": True}),
+    (2, SAME, "gpt", "", {"sequence_parallel": True, "loss_parallel": True}),
+    (4, {**SAME, "hybrid_shard_degree": 2}, "gpt", "shard", {"loss_parallel": True}),
     (8, {**TP2, "hybrid_shard_degree": 2}, "gpt", "shard", {}),  # tp 2 x hybrid 2 x 2
-    (8, {**TP2, "hybrid_shard_degree": 2}, "gpt", "shard", {"sequence_parallel": True}),
+    (8, {**SAME, "hybrid_shard_degree": 2}, "gpt", "shard", {"sequence_parallel": True}),
     (4, {**TP2, "hybrid_shard_degree": 1}, "gpt", "replicate", {}),  # tp 2 x DDP 2
     (4, TP2, "gpt", "fsdp1", {}),  # SMP v2: transform, then an unchanged FSDP1 script
-    (8, {**TP2, "hybrid_shard_degree": 2}, "gpt", "fsdp1", {}),
+    (8, {**SAME, "hybrid_shard_degree": 2}, "gpt", "fsdp1", {}),
     (2, TP2, "vit", "", {}),
     (2, TP2, "llama", "", {}),
-    (4, {**TP2, "hybrid_shard_degree": 2}, "llama", "shard", {"loss_parallel": True}),
-    (2, TP2, "qwen2-tied", "", {"loss_parallel": True}),
+    (4, {**SAME, "hybrid_shard_degree": 2}, "llama", "shard", {"loss_parallel": True}),
+    (2, SAME, "qwen2-tied", "", {"loss_parallel": True}),
     (2, TP2, "neox", "", {}),
     (2, TP2, "gpt2", "", {}),
-    (4, {**TP2, "hybrid_shard_degree": 2}, "gpt2", "shard", {"loss_parallel": True}),
-    (2, TP2, "hf-vit", "", {}),
+    (4, {**SAME, "hybrid_shard_degree": 2}, "gpt2", "shard", {"loss_parallel": True}),
+    (2, SAME, "hf-vit", "", {}),
 ]
 
 
 def case_id(case) -> str:
     world, config, arch, wrap, opts = case
-    layout = "x".join(f"{k.split('_')[0]}{v}" for k, v in config.items())
+    layout = "x".join(f"{k.split('_')[0]}{v}" for k, v in config.items() if v is not True)
+    layout += "-same" if config.get("prescaled_batch") else ""
     extra = "-".join(k.split("_")[0] for k in opts)
     return "-".join(p for p in (f"w{world}", arch, layout, wrap, extra) if p)
 
@@ -174,7 +180,7 @@ def test_clip_grad_norm_parity(workers, world, config, wrap):
 
 
 def clip_norm_case():
-    mp.init({**TP2, "hybrid_shard_degree": 2})
+    mp.init({**SAME, "hybrid_shard_degree": 2})
     batch = batches("gpt")[0]
     ref = build("gpt")
     lm_loss(ref(batch[0]), batch[1]).backward()
@@ -208,7 +214,7 @@ def lm_head_case(loss_parallel: bool):
                 self.sizes.append((func._opname, first.numel()))
             return func(*args, **(kwargs or {}))
 
-    mp.init(TP2)
+    mp.init(SAME)
     torch.manual_seed(0)
     model = mp.transform(GPT(GPTConfig(**{**GPT_CFG.__dict__, "vocab_size": BIG_VOCAB})),
                          loss_parallel=loss_parallel)

@@ -88,7 +88,10 @@ def registered_case(how: str):
     finally:
         mp.parallel.tensor.plans.unregister(Toy)
     assert isinstance(model.up.weight, DTensor) and isinstance(model.down.weight, DTensor)
-    assert_parity(train(model, toy_batches(), optimizer=sgd, loss_fn=F.mse_loss), ref)
+    # each TP rank trains on its own rows, as a data-parallel rank would
+    assert_parity(train(model, toy_batches(), optimizer=sgd, loss_fn=F.mse_loss,
+                        replica=(mp.dp_rank(), mp.dp_size()), group=mp.get_dp_process_group()),
+                  ref)
 
 
 @pytest.mark.parametrize("how", ["register", "context"])
@@ -139,7 +142,7 @@ def test_dropout_differs_where_sharded_and_matches_where_replicated(workers):
 
 def load_full_case(arch: str, config: dict):
     """A full single-device state dict loaded into a split model: same weights, same logits."""
-    mp.init(config)
+    mp.init({**config, "prescaled_batch": True})
     trained = reference(arch)
     model = mp.transform(build(arch))
     if config.get("hybrid_shard_degree"):
@@ -170,7 +173,7 @@ def test_load_full_state_dict_into_split_model(workers, arch, world, config):
 
 def pretrained_case(arch: str, path: str):
     """Train split, consolidate, save_pretrained, from_pretrained: the reference weights."""
-    mp.init(TP2)
+    mp.init({**TP2, "prescaled_batch": True})
     model = mp.transform(build(arch))
     train(Logits(model), batches(arch), optimizer=sgd, loss_fn=lm_loss)
     full = mp.full_state_dict(model)  # rank 0 only (cpu_offload)
@@ -192,21 +195,63 @@ def test_full_state_dict_loads_with_from_pretrained(workers, tmp_path, arch):
     workers(2).run(pretrained_case, arch=arch, path=str(tmp_path / arch))
 
 
-def different_batch_case(prescaled: bool):
-    """Two TP ranks fed by an mp.data loader: SMP v1 shards by dp_rank unless prescaled."""
+def own_batch_case(prescaled: bool, rows: int = 2, loss_parallel: bool = False):
+    """Each TP rank passes its own batch (different data, ``rows`` rows on rank 0)."""
     mp.init({**TP2, "prescaled_batch": prescaled})
     torch.manual_seed(0)
-    data = [(torch.randint(64, (16,)), torch.randint(64, (16,))) for _ in range(8)]
     model = mp.transform(GPT(GPTConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=1,
-                                       n_heads=4)))
-    inputs, targets = next(iter(mp.data.DataLoader(data, batch_size=2, shuffle=False)))
-    return float(lm_loss(model(inputs), targets))
+                                       n_heads=4)), loss_parallel=loss_parallel)
+    g = torch.Generator().manual_seed(mp.rank())
+    inputs = torch.randint(64, (rows if mp.rank() == 0 else 2, 16), generator=g)
+    return tuple(model(inputs).shape)
 
 
-def test_different_batches_in_a_tp_group_are_an_error_not_a_wrong_result(workers):
+def test_own_batches_with_prescaled_batch_are_an_error_not_a_wrong_result(workers):
     with pytest.raises(WorkerError) as err:
-        workers(2).run(different_batch_case, prescaled=False)
+        workers(2).run(own_batch_case, prescaled=True)
     assert "failed on 2 ranks" in str(err.value)
-    assert "set prescaled_batch=True" in str(err.value)
-    first, second = workers(2).run(different_batch_case, prescaled=True)
-    assert first == second
+    assert "DifferentBatchError" in str(err.value)
+    assert "shard your data by mp.rdp_rank()" in str(err.value)
+
+
+def test_own_batches_of_different_sizes_are_an_error_on_every_rank(workers):
+    assert workers(2).run(own_batch_case, prescaled=False) == [(2, 16, 64)] * 2
+    with pytest.raises(WorkerError) as err:
+        workers(2).run(own_batch_case, prescaled=False, rows=3)
+    assert "failed on 2 ranks" in str(err.value)
+    assert "passed batches of [3, 2] rows" in str(err.value)
+    assert "drop_last=True" in str(err.value)
+
+
+def test_loss_parallel_needs_prescaled_batch(workers):
+    with pytest.raises(WorkerError) as err:
+        workers(2).run(own_batch_case, prescaled=False, loss_parallel=True)
+    assert "failed on 2 ranks" in str(err.value)
+    assert "prescaled_batch: loss_parallel=True keeps the logits split" in str(err.value)
+
+
+def hf_labels_case():
+    """A Hugging Face model called with keyword inputs that computes its own loss."""
+    mp.init(TP2)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(64, (4, 16), generator=g)
+    single = build("llama")
+    expected = single(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    model = mp.transform(build("llama"))
+    mine = ids[2 * mp.rank():2 * mp.rank() + 2]  # this rank's own batch
+    out = model(input_ids=mine, labels=mine, attention_mask=torch.ones_like(mine))
+    out.loss.backward()
+    # the loss is the TP group's (both batches); the logits are this rank's rows
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.logits, expected.logits[2 * mp.rank():][:2], rtol=1e-5,
+                               atol=1e-6)
+    for (name, p), ref in zip(model.named_parameters(), single.parameters(), strict=True):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad.reshape(ref.shape), ref.grad, rtol=1e-4, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_hf_keyword_inputs_and_internal_loss_with_own_batches(workers):
+    pytest.importorskip("transformers")
+    workers(2).run(hf_labels_case)

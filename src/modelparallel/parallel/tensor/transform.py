@@ -7,14 +7,12 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from modelparallel.config import ConfigError
-from modelparallel.parallel.tensor import rng
+from modelparallel.parallel.tensor import batch, rng
 from modelparallel.parallel.tensor.plans import TPOptions, TPPlan, marked, plan_for
 from modelparallel.state import state
 from modelparallel.topology import CommGroup
@@ -49,6 +47,12 @@ def transform(model: nn.Module, *, sequence_parallel: bool = False,
     ``mp.loss_parallel()`` and full logits are never gathered. Without it the logits
     are gathered and any loss code works unchanged.
 
+    Batches follow SMP v1's ``prescaled_batch``. ``False`` (default): each rank passes
+    its own batch (``mp.data`` loaders shard by ``dp_rank``); the tensor-parallel group
+    runs them concatenated and each rank gets the output rows of its own batch back.
+    ``True``: every rank of the group passes the same batch (sharded by ``rdp_rank``),
+    checked once on the first forward; needed for ``loss_parallel``.
+
     With ``tensor_parallel_degree`` 1 the model is returned as it is. Apply data
     parallelism afterwards (``mp.shard``, FSDP1, ``mp.replicate``).
     """
@@ -58,6 +62,11 @@ def transform(model: nn.Module, *, sequence_parallel: bool = False,
     degree = s.topology.tp
     if degree == 1:
         return model
+    if loss_parallel and not s.config.prescaled_batch:
+        raise ConfigError([("prescaled_batch", "loss_parallel=True keeps the logits split over "
+                            "the vocabulary, so they cannot be cut back into each rank's own "
+                            "batch: set prescaled_batch=True (every rank of a tensor-parallel "
+                            "group passes the same batch; mp.data loaders shard by rdp_rank)")])
     options = TPOptions(degree, sequence_parallel, loss_parallel)
     found = find_plans(model, options)
     if not found:
@@ -79,39 +88,11 @@ def transform(model: nn.Module, *, sequence_parallel: bool = False,
     coords = s.topology.coordinate(s.rank)
     seed = s.config.random_seed + coords["tp"] + 1000 * coords["pp"]
     rng.install_regions(model, regions, rng.RNGStreams(seed, s.device))
-    _check_same_batch_once(model, s.process_group(CommGroup.TP_GROUP))
+    if s.config.prescaled_batch:
+        batch.check_same_batch_once(model, s.process_group(CommGroup.TP_GROUP))
+    else:
+        batch.gather_batches(model, mesh)
     return model
-
-
-class DifferentBatchError(RuntimeError):
-    """The ranks of one tensor-parallel group were given different inputs."""
-
-
-def _check_same_batch_once(model: nn.Module, group) -> None:
-    """On the first forward, compare a checksum of the inputs over the TP group.
-
-    A split model computes one batch together, so every rank of a tensor-parallel group
-    must pass the same inputs; a loader that shards by ``dp_rank`` (SMP v1's default
-    without ``prescaled_batch``) gives them different ones and training would be
-    silently wrong. One small all-reduce, once.
-    """
-
-    def check(module, args, kwargs):
-        handle.remove()
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        total = sum((t.detach().double().sum() * (i + 1) for i, t in enumerate(tensors)),
-                    torch.zeros((), dtype=torch.float64, device=tensors[0].device)) \
-            if tensors else torch.zeros((), dtype=torch.float64)
-        both = torch.stack([total, -total])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        if both[0] != -both[1]:
-            raise DifferentBatchError(
-                "the ranks of a tensor-parallel group were given different inputs; a split "
-                "model needs the same batch on every rank of its group. With mp.data "
-                "loaders set prescaled_batch=True (each TP group then reads one batch, by "
-                "rdp_rank), or shard your data by mp.rdp_rank() / mp.rdp_size().")
-
-    handle = model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def find_plans(model: nn.Module, options: TPOptions) -> list[_Found]:
