@@ -1,0 +1,469 @@
+"""SMP v1's programming model: DistributedModel, DistributedOptimizer, @step, partition."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from modelparallel.comm import get_process_group
+from modelparallel.config import ConfigError
+from modelparallel.parallel.pipeline import cut
+from modelparallel.parallel.pipeline import partition as balancing
+from modelparallel.parallel.pipeline.microbatch import collect_step_outputs, split_step_inputs
+from modelparallel.parallel.pipeline.runtime import (
+    Microbatch,
+    OutsideStepError,
+    StageRunner,
+    _current,
+    current_microbatch,
+)
+from modelparallel.state import state
+from modelparallel.topology import CommGroup
+
+_placement: list[int] = []  # stack of mp.partition(i) contexts
+_PARTITION_ATTR = "_mp_partition"
+
+
+@contextlib.contextmanager
+def partition(index: int) -> Iterator[None]:
+    """Modules created inside go to pipeline stage ``index`` (SMP v1's ``smp.partition``)."""
+    _placement.append(index)
+    original = nn.Module.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        object.__setattr__(self, _PARTITION_ATTR, _placement[-1])
+
+    nn.Module.__init__ = init
+    try:
+        yield
+    finally:
+        nn.Module.__init__ = original
+        _placement.pop()
+
+
+def set_partition(module: nn.Module, index: int) -> None:
+    """Put ``module`` on pipeline stage ``index``; call before the first step."""
+    object.__setattr__(module, _PARTITION_ATTR, index)
+
+
+class DistributedModel(nn.Module):
+    """A model split over the pipeline stages and wrapped for data parallelism.
+
+    With ``pipeline_parallel_degree`` > 1 the split happens at the first ``@mp.step``
+    call: one microbatch is traced, the repeated layers are balanced over the stages
+    (or placed by ``mp.partition`` / ``mp.set_partition``), and every rank keeps only
+    its stage's parameters. Call the model and ``backward`` only inside a step function.
+    """
+
+    _instance: DistributedModel | None = None
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        s = state.require("mp.DistributedModel")
+        previous = DistributedModel._instance
+        if previous is not None and previous._config is s.config:  # same mp.init()
+            raise RuntimeError("only one mp.DistributedModel may exist per process; wrap the "
+                               "whole model once")
+        self.module = module
+        self._config = s.config
+        self.partitioned = False
+        self._hooks: list[Callable[[DistributedModel, Any], None]] = []
+        self._pp = s.topology.pp
+        self._split: cut.Split | None = None
+        self._trace: cut.Trace | None = None
+        self._runners: dict[tuple, StageRunner] = {}
+        self._stubs: dict[str, cut.Stub] = {}
+        self._shared: list[str] = []   # parameters whose gradients are summed over stages
+        self._held: set[str] = set()   # parameter names this rank holds
+        if s.topology.tp > 1:
+            raise ConfigError([("tensor_parallel_degree", "mp.DistributedModel does not apply "
+                                "tensor parallelism yet; use mp.transform(model) and mp.shard "
+                                "(SMP v2 style) for tensor parallelism")])
+        if self._pp > 1 and s.config.hybrid_shard_degree not in (0, 1) and s.topology.dp > 1:
+            raise ConfigError([("hybrid_shard_degree", "sharding is not combined with pipeline "
+                                "parallelism yet; set hybrid_shard_degree: 1 (data-parallel "
+                                "replicas all-reduce their gradients)")])
+        DistributedModel._instance = self
+        if self._pp == 1:
+            self._held = {n for n, _ in module.named_parameters()}
+            self._finish_partition()
+
+    # -- SMP v1 methods ------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        mb = current_microbatch("calling the DistributedModel")
+        return mb.call_model(args, kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of this microbatch's loss (``loss.backward()`` is not pipelined)."""
+        current_microbatch("model.backward()").backward(loss)
+
+    def register_post_partition_hook(self, hook: Callable[[DistributedModel, Any], None]):
+        """``hook(model, optimizer)`` runs once the model is partitioned."""
+        self._hooks.append(hook)
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if name in self._held:
+                yield name, p
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        seen = set()
+        for _, p in self.local_named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield p
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        held = self._held_modules()
+        for name, m in self.module.named_modules():
+            if any(name == h or name.startswith(h + ".") for h in held):
+                yield m
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the model's own names."""
+        return {k: v for k, v in self.module.state_dict().items()
+                if k in self._held or (self._is_local_buffer(k) and v.device.type != "meta")}
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """The full model (every stage's parameters), on every rank, on CPU."""
+        local = {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
+        if self._pp == 1:
+            return local
+        parts: list[Any] = [None] * self._pp
+        dist.all_gather_object(parts, local, group=get_process_group(CommGroup.PP_GROUP))
+        full = {}
+        for part in parts:
+            full.update(part)
+        return full
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
+        """Load a full (or this rank's) state dict; this rank takes what it holds."""
+        mine = {k: v for k, v in state_dict.items() if k in self.local_state_dict()}
+        missing = set(self.local_state_dict()) - set(mine)
+        if strict and missing:
+            raise KeyError(f"state dict lacks {sorted(missing)} held by this rank")
+        with torch.no_grad():
+            current = self.module.state_dict(keep_vars=True)
+            for k, v in mine.items():
+                current[k].copy_(v)
+
+    def display_partition(self) -> str:
+        """The stages, their layers and cost shares, as text (also printed by rank 0)."""
+        if self._split is None:
+            return "not partitioned yet: the split happens at the first step"
+        t = self._trace
+        return balancing.describe(self._split.starts, self._split.layers, t.compute, t.memory,
+                                  self._split.before, self._split.after,
+                                  before=_sum_costs(t.before), after=_sum_costs(t.after))
+
+    # -- the step --------------------------------------------------------------------
+    def _run_step(self, microbatches: list[Microbatch]) -> list[Any]:
+        s = state.require("mp.step")
+        if self._pp == 1:
+            return [self._run_direct(mb, len(microbatches)) for mb in microbatches]
+        for mb in microbatches:
+            kind, _ = mb.start()
+            if kind != "call":
+                raise RuntimeError("the step function returned without calling the model")
+        if not self.partitioned:
+            self._partition(microbatches[0].model_inputs)
+        train = torch.is_grad_enabled()
+        for mb in microbatches:
+            mb.scale = 1.0 / len(microbatches)
+        key = (train, _signature(microbatches[0].model_inputs), len(microbatches))
+        if key not in self._runners:
+            self._runners[key] = StageRunner(
+                self.module, self._split, s.topology.coordinate(s.rank)["pp"], self._stubs,
+                get_process_group(CommGroup.PP_GROUP), s.device, s.config.pipeline,
+                len(microbatches), train)
+        results = self._runners[key].run(microbatches)
+        if train:
+            self._sync_gradients()
+        return self._from_last_stage(results)
+
+    def _run_direct(self, mb: Microbatch, count: int) -> Any:
+        """No pipeline: the step function runs here; backward of loss / microbatches."""
+        mb.scale = 1.0 / count
+        kind, value = mb.start()
+        while kind != "done":
+            if kind == "call":
+                args, kwargs = mb.model_inputs
+                kind, value = mb.resume(("output", self.module(*args, **kwargs)))
+            elif kind == "backward":
+                (mb.loss * mb.scale).backward()
+                kind, value = mb.resume(("continue", None))
+        return value
+
+    def _from_last_stage(self, results: list[Any] | None) -> list[Any]:
+        """SMP: the step's return values are on every rank of the pipeline."""
+        s = state.require("mp.step")
+        group = get_process_group(CommGroup.PP_GROUP)
+        last = s.topology.group_ranks(s.rank, CommGroup.PP_GROUP)[-1]
+        box = [None if results is None else pytree.tree_map(
+            lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, results)]
+        dist.broadcast_object_list(box, src=last, group=group)
+        device = s.device
+        return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                               box[0])
+
+    # -- partitioning ----------------------------------------------------------------
+    def _partition(self, model_inputs: tuple[tuple, dict]) -> None:
+        s = state.require("mp.DistributedModel")
+        args, kwargs = model_inputs
+        trace = cut.trace(self.module, args, kwargs)
+        box = [trace]  # one rank's timings for all: every rank must choose the same split
+        dist.broadcast_object_list(box, src=0)
+        self._trace = trace = box[0]
+        self._split = self._choose_split(trace, s.config)
+        stage = s.topology.coordinate(s.rank)["pp"]
+        held = self._split.modules_of(stage)
+        everything = [*self._split.layers, *self._split.before,
+                      *[m for m in self._split.after if m not in self._split.before]]
+        self._stubs = {path: cut.Stub(self.module.get_submodule(path), None)
+                       for path in everything}
+        self._held = self._free_other_stages(everything, held)
+        self._shared = self._shared_parameters(everything)
+        if s.rank == 0:
+            print(f"modelparallel: pipeline partition ({s.config.pipeline} schedule)\n"
+                  f"{self.display_partition()}", flush=True)
+        self._finish_partition()
+
+    def _choose_split(self, trace: cut.Trace, config) -> cut.Split:
+        stages = self._pp
+        placed = {path: getattr(self.module.get_submodule(path), _PARTITION_ATTR, None)
+                  for path in trace.layers}
+        before = [m for m in trace.before]
+        after = [m for m in trace.after]
+        outer_placed = lambda names: {  # noqa: E731
+            n: getattr(self.module.get_submodule(n), _PARTITION_ATTR)
+            for n in names if getattr(self.module.get_submodule(n), _PARTITION_ATTR, None)
+            is not None}
+        if any(v is not None for v in placed.values()) or not config.auto_partition:
+            starts = balancing.manual_starts(list(placed.values()), stages,
+                                             config.default_partition, trace.layers)
+            balancing.check_outer("before", outer_placed(set(before) - set(trace.shared)), 0)
+            balancing.check_outer("after", outer_placed(set(after) - set(trace.shared)),
+                                  stages - 1)
+        else:
+            starts = balancing.balance(trace.compute, trace.memory, stages,
+                                       memory_weight=config.effective_memory_weight,
+                                       before=_sum_costs(trace.before),
+                                       after=_sum_costs(trace.after))
+        return cut.Split(trace.layers, starts, before, after)
+
+    def _free_other_stages(self, everything: list[str], held: list[str]) -> set[str]:
+        """Swap the parameters of modules this rank does not hold for meta tensors."""
+        held_params = {id(p) for path in held
+                       for p in self.module.get_submodule(path).parameters()}
+        for path in everything:
+            if path in held:
+                continue
+            for module in self.module.get_submodule(path).modules():
+                for name, p in list(module._parameters.items()):
+                    if p is not None and id(p) not in held_params:
+                        module._parameters[name] = nn.Parameter(
+                            torch.empty_like(p, device="meta"), p.requires_grad)
+                for name, b in list(module._buffers.items()):
+                    if b is not None:
+                        module._buffers[name] = torch.empty_like(b, device="meta")
+        return {n for n, p in self.module.named_parameters(remove_duplicate=False)
+                if p.device.type != "meta"}
+
+    def _shared_parameters(self, everything: list[str]) -> list[str]:
+        """Parameters on more than one stage: outside every cut module, or tied."""
+        owners: dict[str, set[int]] = {}
+        for stage in range(self._pp):
+            for path in self._split.modules_of(stage):
+                for name, _ in self.module.get_submodule(path).named_parameters(
+                        remove_duplicate=False):
+                    owners.setdefault(f"{path}.{name}", set()).add(stage)
+        ids: dict[int, set[int]] = {}
+        by_name = dict(self.module.named_parameters(remove_duplicate=False))
+        for name, stages in owners.items():
+            ids.setdefault(id(by_name[name]), set()).update(stages)
+        shared = []
+        for name, p in by_name.items():
+            if name in owners:
+                if len(ids.get(id(p), ())) > 1 and name in self._held:
+                    shared.append(name)
+            else:  # a parameter of the model itself (glue), on every stage
+                shared.append(name)
+        return shared
+
+    def _sync_gradients(self) -> None:
+        """Sum the gradients of parameters several stages hold; then average over the
+        data-parallel replicas."""
+        s = state.require("mp.step")
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        names = sorted(set(self._shared_names_all()))
+        if names:
+            grads = []
+            for name in names:
+                p = params[name]
+                held = name in self._held and p.grad is not None
+                grads.append(p.grad if held else torch.zeros(p.shape, dtype=p.dtype,
+                                                              device=s.device))
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=get_process_group(CommGroup.PP_GROUP))
+            offset = 0
+            for name, g in zip(names, grads, strict=True):
+                p = params[name]
+                if name in self._held:
+                    p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+                offset += g.numel()
+        if s.topology.size_of(CommGroup.RDP_GROUP) > 1:
+            local = [p for p in self.local_parameters() if p.grad is not None]
+            if local:
+                flat = torch.cat([p.grad.reshape(-1) for p in local])
+                dist.all_reduce(flat, group=get_process_group(CommGroup.RDP_GROUP))
+                flat /= s.topology.size_of(CommGroup.RDP_GROUP)
+                offset = 0
+                for p in local:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                    offset += p.numel()
+
+    def _shared_names_all(self) -> list[str]:
+        """Shared parameter names, the same list on every stage (by name, tied included)."""
+        tied = []
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        for name in params:
+            if name in self._shared:
+                tied.append(name)
+        # every stage must all-reduce the same names: take the union over the pipeline
+        parts: list[Any] = [None] * self._pp
+        dist.all_gather_object(parts, tied, group=get_process_group(CommGroup.PP_GROUP))
+        union = sorted({n for part in parts for n in part})
+        # a tied parameter under two names is one tensor: reduce it once
+        seen, result = set(), []
+        for name in union:
+            key = id(params[name]) if name in self._held else name
+            if key not in seen:
+                seen.add(key)
+                result.append(name)
+        return result
+
+    def _finish_partition(self) -> None:
+        self.partitioned = True
+        for hook in self._hooks:
+            hook(self, DistributedOptimizer._instance)
+
+    def _held_modules(self) -> list[str]:
+        if self._split is None:
+            return [""]
+        s = state.require("mp.DistributedModel")
+        return self._split.modules_of(s.topology.coordinate(s.rank)["pp"])
+
+    def _is_local_buffer(self, name: str) -> bool:
+        return name not in dict(self.module.named_parameters(remove_duplicate=False))
+
+
+def _sum_costs(costs: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    return (sum(c for c, _ in costs.values()), sum(m for _, m in costs.values()))
+
+
+def _signature(model_inputs: tuple[tuple, dict]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                 for t in pytree.tree_leaves(model_inputs))
+
+
+class DistributedOptimizer:
+    """An optimizer over exactly the parameters this rank holds after partitioning.
+
+    Create it after ``DistributedModel`` and before the first step, from an optimizer
+    over ``model.parameters()``; parameters other stages hold are dropped at the split.
+    """
+
+    _instance: DistributedOptimizer | None = None
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._filtered = False
+        DistributedOptimizer._instance = self
+
+    def _filter(self) -> None:
+        model = DistributedModel._instance
+        if self._filtered or model is None or not model.partitioned:
+            return
+        held = {id(p) for p in model.local_parameters()}
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in held]
+        self._filtered = True
+
+    def step(self, *args, **kwargs):
+        self._filter()
+        return self.optimizer.step(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._filter()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        self._filter()
+        return self.optimizer.state_dict()
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """Every pipeline stage's optimizer state (SMP gathers them), stage order."""
+        self._filter()
+        s = state.require("mp.DistributedOptimizer")
+        if s.topology.pp == 1:
+            return [self.optimizer.state_dict()]
+        parts: list[Any] = [None] * s.topology.pp
+        dist.all_gather_object(parts, self.optimizer.state_dict(),
+                               group=get_process_group(CommGroup.PP_GROUP))
+        return parts
+
+    def load_state_dict(self, state_dict) -> None:
+        self._filter()
+        if isinstance(state_dict, list):
+            s = state.require("mp.DistributedOptimizer")
+            state_dict = state_dict[s.topology.coordinate(s.rank)["pp"]]
+        self.optimizer.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str):
+        return getattr(self.optimizer, name)
+
+
+def step(fn: Callable | None = None, *, non_split_inputs: Collection[str] = (),
+         input_split_axes: Mapping[str, int] | None = None, detach_outputs: bool = True):
+    """Decorate the function holding one forward and backward (SMP v1's ``smp.step``).
+
+    Its tensor arguments are split into ``microbatches`` along the batch axis; the
+    function runs once per microbatch; what it returns comes back as ``StepOutput``
+    (per position of a returned tuple) on every rank of the pipeline.
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            model = DistributedModel._instance
+            if model is None:
+                raise RuntimeError("create mp.DistributedModel(model) before calling a "
+                                   "@mp.step function")
+            if getattr(_current, "microbatch", None) is not None:
+                raise RuntimeError("@mp.step functions cannot call each other")
+            s = state.require("mp.step")
+            pieces = split_step_inputs(fn, args, kwargs, s.config.microbatches,
+                                       non_split_inputs=non_split_inputs,
+                                       input_split_axes=input_split_axes)
+            mbs = [Microbatch(i, fn, a, k) for i, (a, k) in enumerate(pieces)]
+            results = model._run_step(mbs)
+            if detach_outputs:
+                results = pytree.tree_map(
+                    lambda t: t.detach() if isinstance(t, torch.Tensor) else t, results)
+            return collect_step_outputs(results)
+
+        return run
+
+    return decorate(fn) if fn is not None else decorate
+
+
+__all__ = ["DistributedModel", "DistributedOptimizer", "OutsideStepError", "partition",
+           "set_partition", "step"]

@@ -1,0 +1,176 @@
+"""Run an SMP step function over microbatches through torch's pipeline schedules.
+
+The step function holds the model call and the loss: ``loss = f(model(x), y);
+model.backward(loss)``. Each microbatch runs it in its own thread, paused at
+``model(...)``: the main thread collects the model's inputs, drives the schedule, and
+when the last stage has a microbatch's output it resumes that thread to compute the
+loss (the schedule's ``loss_fn``). Only one thread runs at a time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from modelparallel.parallel.pipeline.cut import Split, Stub
+from modelparallel.parallel.pipeline.schedules import schedule_class
+from modelparallel.parallel.pipeline.stage import StageModule
+
+_current = threading.local()
+
+
+class OutsideStepError(RuntimeError):
+    """A DistributedModel was called, or backward() used, outside an @mp.step function."""
+
+
+class _Stop(BaseException):
+    """Ends a microbatch thread whose model output lives on another stage."""
+
+
+class Microbatch:
+    """One run of the step function, paused at the model call."""
+
+    def __init__(self, index: int, fn: Callable, args: tuple, kwargs: dict):
+        self.index = index
+        self.to_thread: queue.Queue = queue.Queue()
+        self.to_main: queue.Queue = queue.Queue()
+        self.model_inputs: tuple[tuple, dict] | None = None
+        self.loss: torch.Tensor | None = None
+        self.scale = 1.0  # of the loss in backward: 1 / microbatches
+        grad = torch.is_grad_enabled()
+        self.thread = threading.Thread(target=self._run, args=(fn, args, kwargs, grad),
+                                       daemon=True, name=f"mp-microbatch-{index}")
+
+    def _run(self, fn, args, kwargs, grad: bool) -> None:
+        _current.microbatch = self
+        try:
+            with torch.set_grad_enabled(grad):
+                self.to_main.put(("done", fn(*args, **kwargs)))
+        except _Stop:
+            self.to_main.put(("stopped", None))
+        except BaseException as e:
+            self.to_main.put(("error", e))
+
+    def start(self) -> tuple[str, Any]:
+        self.thread.start()
+        return self._wait()
+
+    def resume(self, message: tuple[str, Any]) -> tuple[str, Any]:
+        self.to_thread.put(message)
+        return self._wait()
+
+    def _wait(self) -> tuple[str, Any]:
+        kind, value = self.to_main.get()
+        if kind == "error":
+            raise value
+        return kind, value
+
+    # called in the microbatch thread
+    def call_model(self, args: tuple, kwargs: dict):
+        if self.model_inputs is not None:
+            raise RuntimeError("the step function called the model twice; call it once per "
+                               "step (one forward over the microbatch)")
+        self.model_inputs = (args, kwargs)
+        self.to_main.put(("call", None))
+        kind, value = self.to_thread.get()
+        if kind == "stop":
+            raise _Stop
+        return value
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.loss is not None:
+            raise RuntimeError("model.backward() was called twice in one step function")
+        self.loss = loss
+        self.to_main.put(("backward", None))
+        self.to_thread.get()  # continue: the schedule runs the backward later
+
+
+def current_microbatch(what: str) -> Microbatch:
+    mb = getattr(_current, "microbatch", None)
+    if mb is None:
+        raise OutsideStepError(
+            f"{what} must run inside a function decorated with @mp.step: the pipeline "
+            "splits the step's inputs into microbatches and runs them through the stages")
+    return mb
+
+
+class StageRunner:
+    """This rank's stage, one schedule, for one shape of microbatch inputs."""
+
+    def __init__(self, model: nn.Module, split: Split, stage: int, stubs: dict[str, Stub],
+                 group, device: torch.device, schedule: str, microbatches: int,
+                 train: bool):
+        self.microbatches: list[Microbatch] = []
+        self._markers = [torch.full((1,), float(i), device=device) for i in range(microbatches)]
+        self._inference_output = None
+        self.outputs: dict[int, Any] = {}
+        self.module = StageModule(model, split, stage, stubs, self._inputs, self._output)
+        self.stage = PipelineStage(self.module, stage, split.stages, device, group=group)
+        self.schedule = schedule_class(schedule)(
+            self.stage, microbatches, loss_fn=self._loss if train else None, scale_grads=False)
+        self.train = train
+
+    def _index(self, mb: torch.Tensor) -> int | None:
+        """The microbatch of a marker, or None for torch's metadata-inference run."""
+        for i, marker in enumerate(self._markers):
+            if mb is marker:
+                return i
+        return None
+
+    def _inputs(self, mb: torch.Tensor) -> tuple[tuple, dict, bool]:
+        i = self._index(mb)
+        return (*self.microbatches[0 if i is None else i].model_inputs, i is not None)
+
+    def _output(self, mb: torch.Tensor, output: Any) -> torch.Tensor:
+        i = self._index(mb)
+        if i is None:
+            self._inference_output = output
+            return torch.full((), -1.0, device=mb.device)
+        self.outputs[i] = output
+        return torch.full((), float(i), device=mb.device)
+
+    def _loss(self, marker: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        i = int(marker.item())
+        if i < 0:  # metadata inference: any loss that depends on the output will do
+            leaves = [t for t in pytree.tree_leaves(self._inference_output)
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+            zero = torch.zeros((), device=marker.device)
+            return sum((t.float().sum() * 0.0 for t in leaves), zero)
+        mb = self.microbatches[i]
+        kind, value = mb.resume(("output", self.outputs.pop(i)))
+        if kind == "backward":
+            mb.results = mb.resume(("continue", None))
+            return mb.loss * mb.scale  # the mean over microbatches, as one process
+        mb.results = (kind, value)
+        raise RuntimeError("the step function returned without calling model.backward(loss) "
+                           "while gradients are enabled; call model.backward(loss), or run "
+                           "evaluation steps under torch.no_grad()")
+
+    def run(self, microbatches: list[Microbatch]) -> list[Any] | None:
+        """Drive the schedule; the step function's results on the last stage, else None."""
+        self.microbatches = microbatches
+        first = self.stage.is_first
+        args = [(self._markers[i],) for i in range(len(microbatches))] if first else None
+        kwargs = [{"mb": self._markers[i]} for i in range(len(microbatches))]
+        targets = list(self._markers) if self.stage.is_last and self.train else None
+        sched = self.schedule
+        sched._stage.has_backward = self.train
+        sched._stage.clear_runtime_states()
+        sched._step_microbatches(args, kwargs, targets, None, return_outputs=False)
+        if not self.stage.is_last:
+            for mb in microbatches:
+                mb.resume(("stop", None))
+            return None
+        results = []
+        for i, mb in enumerate(microbatches):
+            if not self.train:
+                mb.results = mb.resume(("output", self.outputs.pop(i)))
+            results.append(mb.results[1])
+        return results

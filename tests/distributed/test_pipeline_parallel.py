@@ -1,0 +1,94 @@
+"""Pipeline parallelism (SMP v1 style) vs one process: losses every step, parameters at the end."""
+
+import pytest
+import torch
+from torch import nn
+
+import modelparallel as mp
+from modelparallel.models import GPT, GPTConfig
+from modelparallel.models.gpt import lm_loss
+from modelparallel.testing import assert_parity, token_batches, train
+from modelparallel.testing.parity import TrainResult
+
+STEPS = 5
+GLOBAL_BATCH = 8
+SEQ, VOCAB = 16, 64
+
+
+def gpt(layers: int = 4, tied: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=layers,
+                          n_heads=4))
+    if tied:
+        model.lm_head.weight = model.tok_emb.weight
+    return model
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def reference(layers: int, tied: bool = False) -> TrainResult:
+    return train(gpt(layers, tied), token_batches(STEPS, GLOBAL_BATCH, SEQ, VOCAB, seed=1),
+                 optimizer=lambda m: sgd(m.parameters()), loss_fn=lm_loss)
+
+
+def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: bool = False):
+    mp.init(config)
+    ref = reference(layers, tied)
+    model = gpt(layers, tied)
+    if manual:  # SMP v1: place the last layer alone on the last stage
+        for i, block in enumerate(model.blocks):
+            mp.set_partition(block, 0 if i < layers - 1 else config["pipeline_parallel_degree"] - 1)
+    model = mp.DistributedModel(model)
+    optimizer = mp.DistributedOptimizer(sgd(model.parameters()))
+
+    @mp.step
+    def train_step(model, x, y):
+        loss = lm_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    rows = GLOBAL_BATCH // mp.dp_size()
+    for x, y in token_batches(STEPS, GLOBAL_BATCH, SEQ, VOCAB, seed=1):
+        x, y = (t[mp.dp_rank() * rows:(mp.dp_rank() + 1) * rows] for t in (x, y))
+        optimizer.zero_grad()
+        loss = train_step(model, x, y).reduce_mean().detach().double()
+        torch.distributed.all_reduce(loss, group=mp.get_dp_process_group())
+        losses.append(float(loss) / mp.dp_size())
+        optimizer.step()
+    params = model.state_dict()
+    if tied:
+        params.setdefault("lm_head.weight", params["tok_emb.weight"])
+    assert_parity(TrainResult(losses, params), ref)
+    return losses, model.display_partition()
+
+
+PP2 = {"pipeline_parallel_degree": 2}
+CASES = [
+    (2, {**PP2, "microbatches": 1, "pipeline": "simple"}, {}),
+    (2, {**PP2, "microbatches": 2, "pipeline": "simple"}, {}),
+    (2, {**PP2, "microbatches": 4, "pipeline": "interleaved"}, {}),
+    (2, {**PP2, "microbatches": 8, "pipeline": "interleaved"}, {}),
+    (4, {"pipeline_parallel_degree": 4, "microbatches": 4, "pipeline": "simple"}, {}),
+    (4, {"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline": "interleaved"}, {}),
+    (2, {**PP2, "microbatches": 2}, {"tied": True}),
+    (2, {**PP2, "microbatches": 2}, {"manual": True}),
+    (4, {**PP2, "microbatches": 2, "hybrid_shard_degree": 1}, {}),  # pp 2 x DDP 2
+]
+
+
+def case_id(case) -> str:
+    world, config, opts = case
+    return "-".join([f"w{world}", f"pp{config['pipeline_parallel_degree']}",
+                     f"mb{config['microbatches']}", config.get("pipeline", "interleaved"),
+                     *opts])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_pipeline_parity(workers, case):
+    world, config, opts = case
+    results = workers(world).run(pipeline_case, config=config, **opts)
+    losses = [r[0] for r in results]
+    assert all(x == losses[0] for x in losses)
