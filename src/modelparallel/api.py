@@ -168,7 +168,10 @@ class DistributedModel(nn.Module):
     def _run_step(self, microbatches: list[Microbatch]) -> list[Any]:
         s = state.require("mp.step")
         if self._pp == 1:
-            return [self._run_direct(mb, len(microbatches)) for mb in microbatches]
+            results = [self._run_direct(mb, len(microbatches)) for mb in microbatches]
+            if torch.is_grad_enabled():
+                self._sync_gradients()
+            return results
         for mb in microbatches:
             kind, _ = mb.start()
             if kind != "call":

@@ -76,6 +76,7 @@ CASES = [
     (2, {**PP2, "microbatches": 2}, {"tied": True}),
     (2, {**PP2, "microbatches": 2}, {"manual": True}),
     (4, {**PP2, "microbatches": 2, "hybrid_shard_degree": 1}, {}),  # pp 2 x DDP 2
+    (2, {"pipeline_parallel_degree": 1, "microbatches": 2, "hybrid_shard_degree": 1}, {}),
 ]
 
 
