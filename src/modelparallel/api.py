@@ -129,8 +129,9 @@ class DistributedModel(nn.Module):
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers under the model's own names."""
+        params = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
         return {k: v for k, v in self.module.state_dict().items()
-                if k in self._held or (self._is_local_buffer(k) and v.device.type != "meta")}
+                if k in self._held or (k not in params and v.device.type != "meta")}
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The full model (every stage's parameters), on every rank, on CPU."""
@@ -232,8 +233,8 @@ class DistributedModel(nn.Module):
                       *[m for m in self._split.after if m not in self._split.before]]
         self._stubs = {path: cut.Stub(self.module.get_submodule(path), None)
                        for path in everything}
+        self._shared = self._shared_parameters()
         self._held = self._free_other_stages(everything, held)
-        self._shared = self._shared_parameters(everything)
         if s.rank == 0:
             print(f"modelparallel: pipeline partition ({s.config.pipeline} schedule)\n"
                   f"{self.display_partition()}", flush=True)
@@ -243,8 +244,7 @@ class DistributedModel(nn.Module):
         stages = self._pp
         placed = {path: getattr(self.module.get_submodule(path), _PARTITION_ATTR, None)
                   for path in trace.layers}
-        before = [m for m in trace.before]
-        after = [m for m in trace.after]
+        before, after = list(trace.before), list(trace.after)
         outer_placed = lambda names: {  # noqa: E731
             n: getattr(self.module.get_submodule(n), _PARTITION_ATTR)
             for n in names if getattr(self.module.get_submodule(n), _PARTITION_ATTR, None)
@@ -280,46 +280,34 @@ class DistributedModel(nn.Module):
         return {n for n, p in self.module.named_parameters(remove_duplicate=False)
                 if p.device.type != "meta"}
 
-    def _shared_parameters(self, everything: list[str]) -> list[str]:
-        """Parameters on more than one stage: outside every cut module, or tied."""
-        owners: dict[str, set[int]] = {}
+    def _shared_parameters(self) -> list[str]:
+        """Parameters used on more than one stage (tied across a cut, or the model's own,
+        used in its forward): one name per tensor, the same list on every rank, as the
+        split alone decides it. Call before other stages' parameters are freed."""
+        stages_of: dict[int, set[int]] = {}
         for stage in range(self._pp):
             for path in self._split.modules_of(stage):
-                for name, _ in self.module.get_submodule(path).named_parameters(
-                        remove_duplicate=False):
-                    owners.setdefault(f"{path}.{name}", set()).add(stage)
-        ids: dict[int, set[int]] = {}
-        by_name = dict(self.module.named_parameters(remove_duplicate=False))
-        for name, stages in owners.items():
-            ids.setdefault(id(by_name[name]), set()).update(stages)
-        shared = []
-        for name, p in by_name.items():
-            if name in owners:
-                if len(ids.get(id(p), ())) > 1 and name in self._held:
-                    shared.append(name)
-            else:  # a parameter of the model itself (glue), on every stage
-                shared.append(name)
-        return shared
+                for p in self.module.get_submodule(path).parameters():
+                    stages_of.setdefault(id(p), set()).add(stage)
+        return [name for name, p in self.module.named_parameters()  # tied: first name only
+                if len(stages_of.get(id(p), range(self._pp))) > 1]
 
     def _sync_gradients(self) -> None:
         """Sum the gradients of parameters several stages hold; then average over the
         data-parallel replicas."""
         s = state.require("mp.step")
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        names = sorted(set(self._shared_names_all()))
-        if names:
-            grads = []
-            for name in names:
-                p = params[name]
-                held = name in self._held and p.grad is not None
-                grads.append(p.grad if held else torch.zeros(p.shape, dtype=p.dtype,
-                                                              device=s.device))
+        if self._shared:
+            params = dict(self.module.named_parameters(remove_duplicate=False))
+            shared = [params[name] for name in self._shared]
+            # a stage without the tensor (meta here) adds zeros, so all reduce one size
+            grads = [p.grad if p.grad is not None and p.device.type != "meta"
+                     else torch.zeros(p.shape, dtype=p.dtype, device=s.device)
+                     for p in shared]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=get_process_group(CommGroup.PP_GROUP))
             offset = 0
-            for name, g in zip(names, grads, strict=True):
-                p = params[name]
-                if name in self._held:
+            for p, g in zip(shared, grads, strict=True):
+                if p.device.type != "meta":
                     p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
                 offset += g.numel()
         if s.topology.size_of(CommGroup.RDP_GROUP) > 1:
@@ -333,26 +321,6 @@ class DistributedModel(nn.Module):
                     p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
                     offset += p.numel()
 
-    def _shared_names_all(self) -> list[str]:
-        """Shared parameter names, the same list on every stage (by name, tied included)."""
-        tied = []
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        for name in params:
-            if name in self._shared:
-                tied.append(name)
-        # every stage must all-reduce the same names: take the union over the pipeline
-        parts: list[Any] = [None] * self._pp
-        dist.all_gather_object(parts, tied, group=get_process_group(CommGroup.PP_GROUP))
-        union = sorted({n for part in parts for n in part})
-        # a tied parameter under two names is one tensor: reduce it once
-        seen, result = set(), []
-        for name in union:
-            key = id(params[name]) if name in self._held else name
-            if key not in seen:
-                seen.add(key)
-                result.append(name)
-        return result
-
     def _finish_partition(self) -> None:
         self.partitioned = True
         for hook in self._hooks:
@@ -363,9 +331,6 @@ class DistributedModel(nn.Module):
             return [""]
         s = state.require("mp.DistributedModel")
         return self._split.modules_of(s.topology.coordinate(s.rank)["pp"])
-
-    def _is_local_buffer(self, name: str) -> bool:
-        return name not in dict(self.module.named_parameters(remove_duplicate=False))
 
 
 def _sum_costs(costs: dict[str, tuple[float, float]]) -> tuple[float, float]:

@@ -74,6 +74,7 @@ CASES = [
     (4, {"pipeline_parallel_degree": 4, "microbatches": 4, "pipeline": "simple"}, {}),
     (4, {"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline": "interleaved"}, {}),
     (2, {**PP2, "microbatches": 2}, {"tied": True}),
+    (4, {"pipeline_parallel_degree": 4, "microbatches": 4}, {"tied": True}),  # middle stages
     (2, {**PP2, "microbatches": 2}, {"manual": True}),
     (4, {**PP2, "microbatches": 2, "hybrid_shard_degree": 1}, {}),  # pp 2 x DDP 2
     (2, {"pipeline_parallel_degree": 1, "microbatches": 2, "hybrid_shard_degree": 1}, {}),
