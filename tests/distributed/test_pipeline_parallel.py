@@ -7,7 +7,7 @@ from torch import nn
 import modelparallel as mp
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
-from modelparallel.testing import assert_parity, token_batches, train
+from modelparallel.testing import WorkerError, assert_parity, token_batches, train
 from modelparallel.testing.parity import TrainResult
 
 STEPS = 5
@@ -94,3 +94,40 @@ def test_pipeline_parity(workers, case):
     results = workers(world).run(pipeline_case, config=config, **opts)
     losses = [r[0] for r in results]
     assert all(x == losses[0] for x in losses)
+
+
+def misuse_case():
+    mp.init({"microbatches": 2})
+    model = mp.DistributedModel(gpt(2))
+    problems = []
+    for call in (lambda: model(torch.zeros(2, SEQ, dtype=torch.long)),
+                 lambda: model.backward(torch.zeros(()))):
+        try:
+            call()
+        except mp.OutsideStepError as e:
+            problems.append(str(e))
+    try:
+        mp.DistributedModel(gpt(2))
+    except RuntimeError as e:
+        problems.append(str(e))
+    return problems
+
+
+def test_model_outside_a_step_and_a_second_model_are_errors(workers):
+    outside_call, outside_backward, second = workers(1).run(misuse_case)[0]
+    assert outside_call.startswith("calling the DistributedModel must run inside a function "
+                                   "decorated with @mp.step")
+    assert outside_backward.startswith("model.backward() must run inside")
+    assert "only one mp.DistributedModel may exist per process" in second
+
+
+def tensor_parallel_case():
+    mp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2})
+    mp.DistributedModel(gpt(2))
+
+
+def test_tensor_parallel_in_distributed_model_is_rejected_with_the_alternative(workers):
+    with pytest.raises(WorkerError) as err:
+        workers(2).run(tensor_parallel_case)
+    assert "failed on 2 ranks" in str(err.value)
+    assert "does not apply tensor parallelism yet; use mp.transform(model)" in str(err.value)
