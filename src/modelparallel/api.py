@@ -14,7 +14,7 @@ from torch import nn
 
 from modelparallel.comm import get_process_group
 from modelparallel.config import ConfigError
-from modelparallel.parallel.pipeline import cut
+from modelparallel.parallel.pipeline import cut, schedules
 from modelparallel.parallel.pipeline import partition as balancing
 from modelparallel.parallel.pipeline.microbatch import collect_step_outputs, split_step_inputs
 from modelparallel.parallel.pipeline.runtime import (
@@ -184,10 +184,12 @@ class DistributedModel(nn.Module):
             mb.scale = 1.0 / len(microbatches)
         key = (train, _signature(microbatches[0].model_inputs), len(microbatches))
         if key not in self._runners:
+            c = s.config
             self._runners[key] = StageRunner(
-                self.module, self._split, s.topology.coordinate(s.rank)["pp"], self._stubs,
-                get_process_group(CommGroup.PP_GROUP), s.device, s.config.pipeline,
-                len(microbatches), train)
+                self.module, self._split, self._stage_ids(), self._stubs,
+                get_process_group(CommGroup.PP_GROUP), s.device, c.pipeline,
+                schedules.round_size(c.pipeline, len(microbatches), self._pp,
+                                     c.active_microbatches), train)
         results = self._runners[key].run(microbatches)
         if train:
             self._sync_gradients()
@@ -210,7 +212,10 @@ class DistributedModel(nn.Module):
         """SMP: the step's return values are on every rank of the pipeline."""
         s = state.require("mp.step")
         group = get_process_group(CommGroup.PP_GROUP)
-        last = s.topology.group_ranks(s.rank, CommGroup.PP_GROUP)[-1]
+        c = s.config
+        last_stage = self._pp * c.stages_per_rank - 1
+        last = s.topology.group_ranks(s.rank, CommGroup.PP_GROUP)[schedules.rank_of_stage(
+            c.pipeline, last_stage, self._pp, c.stages_per_rank)]
         box = [None if results is None else pytree.tree_map(
             lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, results)]
         dist.broadcast_object_list(box, src=last, group=group)
@@ -227,8 +232,7 @@ class DistributedModel(nn.Module):
         dist.broadcast_object_list(box, src=0)
         self._trace = trace = box[0]
         self._split = self._choose_split(trace, s.config)
-        stage = s.topology.coordinate(s.rank)["pp"]
-        held = self._split.modules_of(stage)
+        held = self._held_modules()
         everything = [*self._split.layers, *self._split.before,
                       *[m for m in self._split.after if m not in self._split.before]]
         self._stubs = {path: cut.Stub(self.module.get_submodule(path), None)
@@ -241,7 +245,7 @@ class DistributedModel(nn.Module):
         self._finish_partition()
 
     def _choose_split(self, trace: cut.Trace, config) -> cut.Split:
-        stages = self._pp
+        stages = self._pp * config.stages_per_rank
         placed = {path: getattr(self.module.get_submodule(path), _PARTITION_ATTR, None)
                   for path in trace.layers}
         before, after = list(trace.before), list(trace.after)
@@ -281,16 +285,17 @@ class DistributedModel(nn.Module):
                 if p.device.type != "meta"}
 
     def _shared_parameters(self) -> list[str]:
-        """Parameters used on more than one stage (tied across a cut, or the model's own,
-        used in its forward): one name per tensor, the same list on every rank, as the
-        split alone decides it. Call before other stages' parameters are freed."""
-        stages_of: dict[int, set[int]] = {}
-        for stage in range(self._pp):
-            for path in self._split.modules_of(stage):
+        """Parameters used on more than one pipeline rank (tied across a cut, or the
+        model's own, used in its forward): one name per tensor, the same list on every
+        rank, as the split alone decides it. Call before other stages' parameters are
+        freed."""
+        ranks_of: dict[int, set[int]] = {}
+        for rank in range(self._pp):
+            for path in self._held_modules(rank):
                 for p in self.module.get_submodule(path).parameters():
-                    stages_of.setdefault(id(p), set()).add(stage)
+                    ranks_of.setdefault(id(p), set()).add(rank)
         return [name for name, p in self.module.named_parameters()  # tied: first name only
-                if len(stages_of.get(id(p), range(self._pp))) > 1]
+                if len(ranks_of.get(id(p), range(self._pp))) > 1]
 
     def _sync_gradients(self) -> None:
         """Sum the gradients of parameters several stages hold; then average over the
@@ -322,15 +327,29 @@ class DistributedModel(nn.Module):
                     offset += p.numel()
 
     def _finish_partition(self) -> None:
+        device = state.require("mp.DistributedModel").device
+        with torch.no_grad():  # SMP v1 places each stage on its device; keep Parameter identity
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                if t.device.type != "meta" and t.device != device:
+                    t.data = t.data.to(device)
         self.partitioned = True
         for hook in self._hooks:
             hook(self, DistributedOptimizer._instance)
 
-    def _held_modules(self) -> list[str]:
+    def _stage_ids(self, pp_rank: int | None = None) -> list[int]:
+        """The pipeline stages a pipeline rank (default: this one) holds."""
+        s = state.require("mp.DistributedModel")
+        rank = s.topology.coordinate(s.rank)["pp"] if pp_rank is None else pp_rank
+        return schedules.stages_of_rank(s.config.pipeline, rank, self._pp,
+                                        s.config.stages_per_rank)
+
+    def _held_modules(self, pp_rank: int | None = None) -> list[str]:
         if self._split is None:
             return [""]
-        s = state.require("mp.DistributedModel")
-        return self._split.modules_of(s.topology.coordinate(s.rank)["pp"])
+        held: list[str] = []
+        for stage in self._stage_ids(pp_rank):
+            held += [m for m in self._split.modules_of(stage) if m not in held]
+        return held
 
 
 def _sum_costs(costs: dict[str, tuple[float, float]]) -> tuple[float, float]:

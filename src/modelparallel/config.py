@@ -21,7 +21,13 @@ logger = logging.getLogger("modelparallel")
 
 ALIASES = {"partitions": "pipeline_parallel_degree"}
 PLACEMENT_NAMES = {"cluster": "DPT", "spread": "TPD"}
-PIPELINE_SCHEDULES = ("interleaved", "simple")
+# SMP v1's names ("simple" = GPipe, "interleaved" = 1F1B), torch's single-stage names,
+# then the multi-stage schedules (several stages per rank): "loop" or "v" placement.
+SINGLE_STAGE_SCHEDULES = ("simple", "interleaved", "gpipe", "1f1b")
+MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": "loop", "looped_bfs": "loop",
+                         "interleaved_zero_bubble": "loop", "zbv_zero_bubble": "v",
+                         "dualpipe_v": "v"}
+PIPELINE_SCHEDULES = (*SINGLE_STAGE_SCHEDULES, *MULTI_STAGE_SCHEDULES)
 
 
 class ConfigError(ValueError):
@@ -77,8 +83,12 @@ class Config:
     # -- pipeline --------------------------------------------------------------------
     microbatches: int = _key(1, "microbatches a batch is split into", minimum=1)
     pipeline: str = _key("interleaved", "pipeline schedule", choices=PIPELINE_SCHEDULES)
+    virtual_stages: int | None = _key(
+        None, "pipeline stages each rank holds (multi-stage schedules; default 2 for "
+              "those, 1 otherwise)", minimum=1)
     active_microbatches: int | None = _key(
-        None, "most microbatches in flight at once (default: stages + 2)", minimum=1)
+        None, "most microbatches in flight at once (simple and interleaved; default: "
+              "as many as the schedule keeps)", minimum=1)
     auto_partition: bool = _key(True, "balance pipeline stages automatically")
     default_partition: int = _key(0, "stage for modules not placed explicitly", minimum=0)
     memory_weight: float | None = _key(
@@ -187,10 +197,11 @@ class Config:
         return 0.2 if self.optimize == "speed" else 0.8
 
     @property
-    def effective_active_microbatches(self) -> int:
-        if self.active_microbatches is not None:
-            return self.active_microbatches
-        return self.pipeline_parallel_degree + 2  # SMP's default: partitions + 2
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each rank holds: ``virtual_stages``, or the schedule's default."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.pipeline in MULTI_STAGE_SCHEDULES else 1
 
     @property
     def half_precision(self) -> str | None:
@@ -276,11 +287,14 @@ class Config:
             other = "fp16" if self.fp16 else "fp16_params"
             problems.append(("bf16", f"bf16=True cannot be combined with {other}=True; "
                                      "choose one half-precision type"))
-        if self.default_partition >= self.pipeline_parallel_degree:
+        stages = self.pipeline_parallel_degree * self.stages_per_rank
+        if self.default_partition >= stages:
             problems.append(("default_partition",
                              f"{self.default_partition} is not a pipeline stage; valid stages "
-                             f"are 0..{self.pipeline_parallel_degree - 1} "
-                             f"(pipeline_parallel_degree={self.pipeline_parallel_degree})"))
+                             f"are 0..{stages - 1} (pipeline_parallel_degree="
+                             f"{self.pipeline_parallel_degree} x {self.stages_per_rank} "
+                             "stages per rank)"))
+        problems.extend(self._check_schedule())
         sdp = self.sharded_data_parallel_degree
         if sdp > 1 and self.hybrid_shard_degree not in (0, sdp):
             problems.append(("sharded_data_parallel_degree",
@@ -292,6 +306,38 @@ class Config:
             if value != default:
                 problems.append((key, f"{value!r} is not supported yet ({why}); "
                                       f"valid value: {default!r}"))
+        return problems
+
+    def _check_schedule(self) -> list[tuple[str, str]]:
+        """What torch's schedule classes would reject, said up front in our terms."""
+        name, v, m = self.pipeline, self.stages_per_rank, self.microbatches
+        pp = self.pipeline_parallel_degree
+        style = MULTI_STAGE_SCHEDULES.get(name)
+        if style is None:
+            if v != 1:
+                return [("virtual_stages", f"{v} stages per rank needs a multi-stage schedule; "
+                         f"pipeline={name!r} runs one stage per rank. Use one of "
+                         f"{sorted(MULTI_STAGE_SCHEDULES)}, or drop virtual_stages")]
+            return []
+        problems = []
+        if self.active_microbatches is not None:
+            problems.append(("active_microbatches", f"pipeline={name!r} fixes how many "
+                             "microbatches are in flight itself; active_microbatches is "
+                             "honoured by 'simple' and 'interleaved' only, remove it"))
+        if style == "v" and v != 2:
+            problems.append(("virtual_stages", f"pipeline={name!r} places exactly 2 stages on "
+                             f"each rank (a V: rank r holds stages r and {2 * pp - 1}-r); got "
+                             f"{v}"))
+        if name == "dualpipe_v" and m < pp * v:
+            problems.append(("microbatches", f"pipeline='dualpipe_v' needs at least as many "
+                             f"microbatches as stages ({pp * v}); got {m}"))
+        if name in ("interleaved_1f1b", "interleaved_zero_bubble"):
+            rounds = max(1, m // pp)
+            if m % rounds:
+                problems.append(("microbatches", f"pipeline={name!r} runs the microbatches in "
+                                 f"rounds of pipeline_parallel_degree ({pp}): {m} does not "
+                                 f"split into {rounds} equal rounds; use a multiple of {pp}, "
+                                 f"or fewer than {2 * pp}"))
         return problems
 
 

@@ -62,12 +62,24 @@ def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: boo
     if tied:
         params.setdefault("lm_head.weight", params["tok_emb.weight"])
     assert_parity(TrainResult(losses, params), ref)
+
+    @mp.step
+    def eval_step(model, x):
+        return model(x)
+
+    x = token_batches(1, GLOBAL_BATCH, SEQ, VOCAB, seed=2)[0][0]
+    with torch.no_grad():
+        logits = eval_step(model, x).concat()  # every rank gets the last stage's output
+        trained = gpt(layers, tied)
+        trained.load_state_dict(ref.params)
+        torch.testing.assert_close(logits, trained(x), rtol=1e-5, atol=1e-6)
     return losses, model.display_partition()
 
 
 PP2 = {"pipeline_parallel_degree": 2}
 CASES = [
     (2, {**PP2, "microbatches": 1, "pipeline": "simple"}, {}),
+    (2, {**PP2, "microbatches": 1}, {}),  # 1F1B with fewer microbatches than stages
     (2, {**PP2, "microbatches": 2, "pipeline": "simple"}, {}),
     (2, {**PP2, "microbatches": 4, "pipeline": "interleaved"}, {}),
     (2, {**PP2, "microbatches": 8, "pipeline": "interleaved"}, {}),
@@ -78,6 +90,16 @@ CASES = [
     (2, {**PP2, "microbatches": 2}, {"manual": True}),
     (4, {**PP2, "microbatches": 2, "hybrid_shard_degree": 1}, {}),  # pp 2 x DDP 2
     (2, {"pipeline_parallel_degree": 1, "microbatches": 2, "hybrid_shard_degree": 1}, {}),
+    # two stages per rank: 4 stages of one layer on 2 ranks
+    (2, {**PP2, "microbatches": 4, "pipeline": "interleaved_1f1b"}, {}),
+    (2, {**PP2, "microbatches": 4, "pipeline": "interleaved_1f1b"}, {"tied": True}),
+    (2, {**PP2, "microbatches": 2, "pipeline": "looped_bfs"}, {}),
+    (2, {**PP2, "microbatches": 4, "pipeline": "interleaved_zero_bubble"}, {}),
+    (2, {**PP2, "microbatches": 4, "pipeline": "zbv_zero_bubble"}, {"tied": True}),
+    (2, {**PP2, "microbatches": 4, "pipeline": "dualpipe_v"}, {}),
+    # active_microbatches: the schedule runs in rounds
+    (2, {**PP2, "microbatches": 4, "pipeline": "simple", "active_microbatches": 2}, {}),
+    (2, {**PP2, "microbatches": 4, "pipeline": "interleaved", "active_microbatches": 1}, {}),
 ]
 
 
@@ -85,6 +107,7 @@ def case_id(case) -> str:
     world, config, opts = case
     return "-".join([f"w{world}", f"pp{config['pipeline_parallel_degree']}",
                      f"mb{config['microbatches']}", config.get("pipeline", "interleaved"),
+                     *[f"active{v}" for k, v in config.items() if k == "active_microbatches"],
                      *opts])
 
 

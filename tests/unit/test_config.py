@@ -87,14 +87,15 @@ class TestDefaults:
     def test_effective_memory_weight(self, given, weight):
         assert load(given).effective_memory_weight == weight
 
-    @pytest.mark.parametrize(("given", "active"), [
-        ({}, 3),
-        ({"pipeline_parallel_degree": 4}, 6),
-        ({"partitions": 2}, 4),
-        ({"pipeline_parallel_degree": 4, "active_microbatches": 1}, 1),
+    @pytest.mark.parametrize(("given", "stages"), [
+        ({}, 1),
+        ({"pipeline": "simple"}, 1),
+        ({"pipeline": "interleaved_1f1b"}, 2),
+        ({"pipeline": "looped_bfs", "virtual_stages": 3}, 3),
+        ({"pipeline": "zbv_zero_bubble"}, 2),
     ])
-    def test_effective_active_microbatches(self, given, active):
-        assert load(given).effective_active_microbatches == active
+    def test_stages_per_rank(self, given, stages):
+        assert load(given).stages_per_rank == stages
 
     @pytest.mark.parametrize(("given", "order"), [
         ({}, "DPT"), ({"placement_strategy": "cluster"}, "DPT"),
@@ -338,7 +339,8 @@ class TestValueChecks:
         assert getattr(load({key: value}), key) == value
 
     @pytest.mark.parametrize(("key", "value", "valid"), [
-        ("pipeline", "foo", "'interleaved', 'simple'"),
+        ("pipeline", "foo", "'simple', 'interleaved', 'gpipe', '1f1b', 'interleaved_1f1b', "
+         "'looped_bfs', 'interleaved_zero_bubble', 'zbv_zero_bubble', 'dualpipe_v'"),
         ("optimize", "fast", "'memory', 'speed'"),
         ("ddp_dist_backend", "mpi", "'auto', 'nccl', 'gloo'"),
     ])

@@ -18,9 +18,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _ComputationType
 
 from modelparallel.parallel.pipeline.cut import Split, Stub
-from modelparallel.parallel.pipeline.schedules import schedule_class
+from modelparallel.parallel.pipeline.schedules import is_multi_stage, schedule_class
 from modelparallel.parallel.pipeline.stage import StageModule
 
 _current = threading.local()
@@ -92,6 +93,23 @@ class Microbatch:
         self.to_thread.get()  # continue: the schedule runs the backward later
 
 
+_FORWARD_ACTIONS = {_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
+                    _ComputationType.UNSHARD, _ComputationType.RESHARD}
+
+
+def _forward_only(schedule) -> None:
+    """Drop the backward actions of a multi-stage schedule's plan, for evaluation.
+
+    torch runs these plans' backward actions as no-ops without a loss, except that
+    a V schedule (two adjacent stages on one rank) still hands gradients between them
+    and fails. Forward actions keep their order, so the plan stays deadlock free.
+    """
+    order = schedule.pipeline_order_with_comms
+    for rank, actions in order.items():
+        flat = [sub for a in actions for sub in (a.sub_actions or (a,))]  # OVERLAP_F_B
+        order[rank] = [a for a in flat if a.computation_type in _FORWARD_ACTIONS]
+
+
 def current_microbatch(what: str) -> Microbatch:
     mb = getattr(_current, "microbatch", None)
     if mb is None:
@@ -102,19 +120,32 @@ def current_microbatch(what: str) -> Microbatch:
 
 
 class StageRunner:
-    """This rank's stage, one schedule, for one shape of microbatch inputs."""
+    """This rank's stages and one schedule, for one shape of microbatch inputs.
 
-    def __init__(self, model: nn.Module, split: Split, stage: int, stubs: dict[str, Stub],
-                 group, device: torch.device, schedule: str, microbatches: int,
-                 train: bool):
+    The schedule is built for ``round_size`` microbatches; a step with more runs it
+    over consecutive rounds (``active_microbatches``), accumulating gradients.
+    """
+
+    def __init__(self, model: nn.Module, split: Split, stage_ids: list[int],
+                 stubs: dict[str, Stub], group, device: torch.device, schedule: str,
+                 round_size: int, train: bool):
         self.microbatches: list[Microbatch] = []
-        self._markers = [torch.full((1,), float(i), device=device) for i in range(microbatches)]
+        self._markers = [torch.full((1,), float(i), device=device) for i in range(round_size)]
         self._inference_output = None
         self.outputs: dict[int, Any] = {}
-        self.module = StageModule(model, split, stage, stubs, self._inputs, self._output)
-        self.stage = PipelineStage(self.module, stage, split.stages, device, group=group)
-        self.schedule = schedule_class(schedule)(
-            self.stage, microbatches, loss_fn=self._loss if train else None, scale_grads=False)
+        self.modules = [StageModule(model, split, s, stubs, self._inputs, self._output)
+                        for s in stage_ids]
+        self.stages = [PipelineStage(m, s, split.stages, device, group=group)
+                       for m, s in zip(self.modules, stage_ids, strict=True)]
+        self.holds_first = any(stage.is_first for stage in self.stages)
+        self.holds_last = any(stage.is_last for stage in self.stages)
+        stages = self.stages if is_multi_stage(schedule) else self.stages[0]
+        cls = schedule_class(schedule, round_size, group.size())
+        self.schedule = cls(stages, round_size, loss_fn=self._loss if train else None,
+                            scale_grads=False)
+        if not train and is_multi_stage(schedule):
+            _forward_only(self.schedule)
+        self.round_size = round_size
         self.train = train
 
     def _index(self, mb: torch.Tensor) -> int | None:
@@ -154,23 +185,26 @@ class StageRunner:
                            "evaluation steps under torch.no_grad()")
 
     def run(self, microbatches: list[Microbatch]) -> list[Any] | None:
-        """Drive the schedule; the step function's results on the last stage, else None."""
-        self.microbatches = microbatches
-        first = self.stage.is_first
-        args = [(self._markers[i],) for i in range(len(microbatches))] if first else None
-        kwargs = [{"mb": self._markers[i]} for i in range(len(microbatches))]
-        targets = list(self._markers) if self.stage.is_last and self.train else None
-        sched = self.schedule
-        sched._stage.has_backward = self.train
-        sched._stage.clear_runtime_states()
-        sched._step_microbatches(args, kwargs, targets, None, return_outputs=False)
-        if not self.stage.is_last:
+        """Drive the schedule; the step function's results where the last stage is,
+        else None."""
+        for start in range(0, len(microbatches), self.round_size):
+            self._run_round(microbatches[start:start + self.round_size])
+        if not self.holds_last:
             for mb in microbatches:
                 mb.resume(("stop", None))
             return None
-        results = []
-        for i, mb in enumerate(microbatches):
-            if not self.train:
+        return [mb.results[1] for mb in microbatches]
+
+    def _run_round(self, microbatches: list[Microbatch]) -> None:
+        self.microbatches = microbatches
+        n = len(microbatches)
+        args = [(self._markers[i],) for i in range(n)] if self.holds_first else None
+        kwargs = [{"mb": self._markers[i]} for i in range(n)]
+        targets = list(self._markers) if self.holds_last and self.train else None
+        for stage in self.stages:
+            stage.has_backward = self.train
+            stage.clear_runtime_states()
+        self.schedule._step_microbatches(args, kwargs, targets, None, return_outputs=False)
+        if self.holds_last and not self.train:
+            for i, mb in enumerate(microbatches):
                 mb.results = mb.resume(("output", self.outputs.pop(i)))
-            results.append(mb.results[1])
-        return results

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -24,8 +24,9 @@ class StageModule(nn.Module):
     last stage ``on_output(mb, output)`` receives the model's output and a 0-dim
     marker is returned in its place (the loss is computed by the step function).
 
-    Holds no parameters of its own, so torch's stage neither scales nor syncs
-    gradients: the caller does that once per parameter.
+    The model's parameters are not registered here, so torch's stage neither moves nor
+    syncs them (the caller syncs once per parameter); ``parameters()`` lists the
+    stage's own for the zero-bubble schedules' weight-gradient pass.
     """
 
     def __init__(self, model: nn.Module, split: Split, stage: int,
@@ -43,7 +44,16 @@ class StageModule(nn.Module):
         self._next_layer = None if self.is_last else split.layers[layers.stop]
         self._inputs = inputs
         self._on_output = on_output
+        self._held = sorted(held)
         self.checked = False  # first real forward checks no NaN stub output leaked in
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        seen: set[int] = set()
+        for path in self._held:
+            for p in self.model.get_submodule(path).parameters():
+                if id(p) not in seen and p.requires_grad:
+                    seen.add(id(p))
+                    yield p
 
     def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
         args, kwargs, real = self._inputs(mb)
