@@ -17,6 +17,12 @@ from modelparallel.config import ConfigError
 from modelparallel.parallel.pipeline import cut, schedules
 from modelparallel.parallel.pipeline import partition as balancing
 from modelparallel.parallel.pipeline.microbatch import collect_step_outputs, split_step_inputs
+from modelparallel.parallel.pipeline.record import (
+    Event,
+    ScheduleRecorder,
+    ScheduleRecording,
+    gather_events,
+)
 from modelparallel.parallel.pipeline.runtime import (
     Microbatch,
     OutsideStepError,
@@ -83,6 +89,7 @@ class DistributedModel(nn.Module):
         self._stubs: dict[str, cut.Stub] = {}
         self._shared: list[str] = []   # parameters whose gradients are summed over stages
         self._held: set[str] = set()   # parameter names this rank holds
+        self._events: list[Event] | None = None  # recorded by record_schedule()
         if s.topology.tp > 1:
             raise ConfigError([("tensor_parallel_degree", "mp.DistributedModel does not apply "
                                 "tensor parallelism yet; use mp.transform(model) and mp.shard "
@@ -156,6 +163,27 @@ class DistributedModel(nn.Module):
             for k, v in mine.items():
                 current[k].copy_(v)
 
+    @contextlib.contextmanager
+    def record_schedule(self) -> Iterator[ScheduleRecording]:
+        """Record what every pipeline rank runs in the steps inside (one is best).
+
+        ``with model.record_schedule() as rec: train_step(...)``; afterwards
+        ``rec.events`` (forward/backward of which stage and microbatch, start and end),
+        ``rec.grid()`` (the rank x time grid as text), ``rec.bubble`` (measured idle
+        share) and ``rec.theoretical`` hold every pipeline rank's record. Enter it on
+        every rank of the pipeline: leaving it gathers the records.
+        """
+        s = state.require("model.record_schedule")
+        recording = ScheduleRecording(self._pp, s.config.microbatches,
+                                      s.config.stages_per_rank)
+        self._events = []
+        try:
+            yield recording
+            events = self._events
+        finally:
+            self._events = None
+        recording.events = gather_events(events, group=get_process_group(CommGroup.PP_GROUP))
+
     def display_partition(self) -> str:
         """The stages, their layers and cost shares, as text (also printed by rank 0)."""
         if self._split is None:
@@ -190,7 +218,14 @@ class DistributedModel(nn.Module):
                 get_process_group(CommGroup.PP_GROUP), s.device, c.pipeline,
                 schedules.round_size(c.pipeline, len(microbatches), self._pp,
                                      c.active_microbatches), train)
-        results = self._runners[key].run(microbatches)
+        runner = self._runners[key]
+        if self._events is None:
+            results = runner.run(microbatches)
+        else:
+            pp_rank = s.topology.coordinate(s.rank)["pp"]
+            with ScheduleRecorder(runner.stages, rank=pp_rank) as recorder:
+                results = runner.run(microbatches)
+            self._events += recorder.events
         if train:
             self._sync_gradients()
         return self._from_last_stage(results)

@@ -79,3 +79,49 @@ def test_1f1b_order(workers):
     for e in by_rank(events, 0):
         if e.kind == "B":
             assert e.start >= last[e.microbatch].end
+
+
+def distributed_model_case(schedule: str):
+    from modelparallel.models import GPT, GPTConfig
+    from modelparallel.models.gpt import lm_loss
+
+    mp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
+             "pipeline": schedule})
+    torch.manual_seed(0)
+    model = mp.DistributedModel(GPT(GPTConfig(vocab_size=64, max_seq_len=8, d_model=32,
+                                              n_layers=4, n_heads=4)))
+
+    @mp.step
+    def train_step(model, x):
+        loss = lm_loss(model(x), x)
+        model.backward(loss)
+        return loss
+
+    x = torch.randint(64, (8, 8))
+    train_step(model, x)  # the split and warm-up stay out of the recording
+    with model.record_schedule() as recording:
+        train_step(model, x)
+    return recording.events, recording.grid(width=60), recording.bubble, recording.theoretical
+
+
+def test_distributed_model_records_its_schedule(workers):
+    results = workers(2).run(distributed_model_case, schedule="simple")
+    events, grid, bubble, theoretical = results[0]
+    assert results[1][0] == events
+    print(grid)
+    for rank in (0, 1):
+        mine = by_rank(events, rank)
+        assert {e.stage for e in mine} == {rank}
+        for kind in "FB":
+            assert sorted(e.microbatch for e in mine if e.kind == kind) == [0, 1, 2, 3]
+    assert theoretical == 1 / 5  # (p-1) / (m+p-1)
+    assert 0 < bubble < 1
+
+
+def test_virtual_stages_show_in_the_recording(workers):
+    events, _, _, theoretical = workers(2).run(distributed_model_case,
+                                               schedule="interleaved_1f1b")[0]
+    assert {e.stage for e in by_rank(events, 0)} == {0, 2}
+    assert {e.stage for e in by_rank(events, 1)} == {1, 3}
+    assert len(events) == 2 * 2 * 2 * MICROBATCHES  # F and B, 2 ranks x 2 stages
+    assert theoretical == 1 / 9  # (p-1) / (v m + p-1)

@@ -18,7 +18,7 @@ import functools
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -185,6 +185,35 @@ def theoretical_bubble(stages: int, microbatches: int, virtual: int = 1) -> floa
     if stages < 1 or microbatches < 1 or virtual < 1:
         raise ValueError("stages, microbatches and virtual must be at least 1")
     return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+@dataclass
+class ScheduleRecording:
+    """What every rank of a pipeline ran in the steps recorded by
+    ``DistributedModel.record_schedule()``: events, grid, measured vs ideal bubble.
+
+    Record one step: idle time between steps (the optimizer, data loading) counts as
+    bubble too.
+    """
+
+    ranks: int
+    microbatches: int
+    virtual: int = 1
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        """Measured idle share of the recorded span."""
+        return bubble_fraction(self.events)
+
+    @property
+    def theoretical(self) -> float:
+        """``(p-1) / (v*m + p-1)`` for this pipeline."""
+        return theoretical_bubble(self.ranks, self.microbatches, self.virtual)
+
+    def grid(self, width: int = 100) -> str:
+        """The rank x time grid as text (see :func:`render_grid`)."""
+        return render_grid(self.events, width)
 
 
 def _symbol(event: Event) -> str:
