@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modelparallel.comm import get_process_group
-from modelparallel.config import ConfigError
-from modelparallel.parallel.pipeline import cut, schedules
+from modelparallel.parallel.blocks import find_blocks
+from modelparallel.parallel.pipeline import compose, cut, schedules
 from modelparallel.parallel.pipeline import partition as balancing
 from modelparallel.parallel.pipeline.microbatch import collect_step_outputs, split_step_inputs
 from modelparallel.parallel.pipeline.record import (
@@ -30,6 +31,7 @@ from modelparallel.parallel.pipeline.runtime import (
     _current,
     current_microbatch,
 )
+from modelparallel.parallel.placement import is_meta
 from modelparallel.state import state
 from modelparallel.topology import CommGroup
 
@@ -87,20 +89,18 @@ class DistributedModel(nn.Module):
         self._trace: cut.Trace | None = None
         self._runners: dict[tuple, StageRunner] = {}
         self._stubs: dict[str, cut.Stub] = {}
-        self._shared: list[str] = []   # parameters whose gradients are summed over stages
+        # parameters used on several pipeline ranks: (group of those ranks, names), their
+        # gradients are summed over it
+        self._shared: list[tuple[dist.ProcessGroup, list[str]]] = []
         self._held: set[str] = set()   # parameter names this rank holds
+        self._fsdp: set[int] = set()   # ids of parameters FSDP manages
+        self._replaced: dict[int, nn.Parameter] = {}  # old parameter id -> its DTensor
         self._events: list[Event] | None = None  # recorded by record_schedule()
-        if s.topology.tp > 1:
-            raise ConfigError([("tensor_parallel_degree", "mp.DistributedModel does not apply "
-                                "tensor parallelism yet; use mp.transform(model) and mp.shard "
-                                "(SMP v2 style) for tensor parallelism")])
-        if self._pp > 1 and s.config.hybrid_shard_degree not in (0, 1) and s.topology.dp > 1:
-            raise ConfigError([("hybrid_shard_degree", "sharding is not combined with pipeline "
-                                "parallelism yet; set hybrid_shard_degree: 1 (data-parallel "
-                                "replicas all-reduce their gradients)")])
         DistributedModel._instance = self
-        if self._pp == 1:
-            self._held = {n for n, _ in module.named_parameters()}
+        if self._pp == 1:  # no split: tensor and data parallelism apply now
+            found = {id(b) for b in find_blocks(module)}
+            blocks = [name for name, m in module.named_modules() if id(m) in found]
+            self._parallelize([*blocks, ""])
             self._finish_partition()
 
     # -- SMP v1 methods ------------------------------------------------------------
@@ -138,11 +138,12 @@ class DistributedModel(nn.Module):
         """This rank's parameters and buffers under the model's own names."""
         params = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
         return {k: v for k, v in self.module.state_dict().items()
-                if k in self._held or (k not in params and v.device.type != "meta")}
+                if k in self._held or (k not in params and not is_meta(v))}
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The full model (every stage's parameters), on every rank, on CPU."""
-        local = {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
+        local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                 for k, v in self.local_state_dict().items()}  # collective in the stage
         if self._pp == 1:
             return local
         parts: list[Any] = [None] * self._pp
@@ -161,7 +162,11 @@ class DistributedModel(nn.Module):
         with torch.no_grad():
             current = self.module.state_dict(keep_vars=True)
             for k, v in mine.items():
-                current[k].copy_(v)
+                target = current[k]
+                if isinstance(target, DTensor):  # this rank's shard of the full value
+                    v = distribute_tensor(v.to(target.device), target.device_mesh,
+                                          target.placements, src_data_rank=None)
+                compose.local(target).copy_(compose.local(v))
 
     @contextlib.contextmanager
     def record_schedule(self) -> Iterator[ScheduleRecording]:
@@ -273,7 +278,10 @@ class DistributedModel(nn.Module):
         self._stubs = {path: cut.Stub(self.module.get_submodule(path), None)
                        for path in everything}
         self._shared = self._shared_parameters()
-        self._held = self._free_other_stages(everything, held)
+        self._free_other_stages(everything, held)
+        # FSDP units: this rank's layers, then its outer modules (root parameters stay)
+        layers = [m for m in held if m in self._split.layers]
+        self._parallelize([*layers, *[m for m in held if m not in layers]])
         if s.rank == 0:
             print(f"modelparallel: pipeline partition ({s.config.pipeline} schedule)\n"
                   f"{self.display_partition()}", flush=True)
@@ -301,7 +309,16 @@ class DistributedModel(nn.Module):
                                        after=_sum_costs(trace.after))
         return cut.Split(trace.layers, starts, before, after)
 
-    def _free_other_stages(self, everything: list[str], held: list[str]) -> set[str]:
+    def _parallelize(self, units: list[str]) -> None:
+        """Tensor parallelism, then FSDP on ``units``; remember replaced parameters."""
+        s = state.require("mp.DistributedModel")
+        before = dict(self.module.named_parameters(remove_duplicate=False))
+        self._fsdp = compose.parallelize(self.module, units, s)
+        after = dict(self.module.named_parameters(remove_duplicate=False))
+        self._replaced = {id(before[n]): p for n, p in after.items() if p is not before[n]}
+        self._held = {n for n, p in after.items() if not is_meta(p)}
+
+    def _free_other_stages(self, everything: list[str], held: list[str]) -> None:
         """Swap the parameters of modules this rank does not hold for meta tensors."""
         held_params = {id(p) for path in held
                        for p in self.module.get_submodule(path).parameters()}
@@ -316,57 +333,44 @@ class DistributedModel(nn.Module):
                 for name, b in list(module._buffers.items()):
                     if b is not None:
                         module._buffers[name] = torch.empty_like(b, device="meta")
-        return {n for n, p in self.module.named_parameters(remove_duplicate=False)
-                if p.device.type != "meta"}
 
-    def _shared_parameters(self) -> list[str]:
+    def _shared_parameters(self) -> list[tuple[dist.ProcessGroup, list[str]]]:
         """Parameters used on more than one pipeline rank (tied across a cut, or the
-        model's own, used in its forward): one name per tensor, the same list on every
-        rank, as the split alone decides it. Call before other stages' parameters are
-        freed."""
+        model's own, used in its forward), one name per tensor, grouped by the pipeline
+        ranks using them, with a process group of those ranks here. The split alone
+        decides it, so every rank creates the same groups. Call before freeing."""
+        s = state.require("mp.DistributedModel")
         ranks_of: dict[int, set[int]] = {}
         for rank in range(self._pp):
             for path in self._held_modules(rank):
                 for p in self.module.get_submodule(path).parameters():
                     ranks_of.setdefault(id(p), set()).add(rank)
-        return [name for name, p in self.module.named_parameters()  # tied: first name only
-                if len(ranks_of.get(id(p), range(self._pp))) > 1]
+        by_ranks: dict[tuple[int, ...], list[str]] = {}
+        for name, p in self.module.named_parameters():  # tied: first name only
+            holders = tuple(sorted(ranks_of.get(id(p), range(self._pp))))
+            if len(holders) > 1:
+                by_ranks.setdefault(holders, []).append(name)
+        shared = []
+        for holders, names in by_ranks.items():
+            for ranks in s.topology.all_groups(CommGroup.PP_GROUP):  # every rank, same order
+                group = dist.new_group([ranks[i] for i in holders])
+                if s.rank in ranks and s.topology.coordinate(s.rank)["pp"] in holders:
+                    shared.append((group, names))
+        return shared
 
     def _sync_gradients(self) -> None:
-        """Sum the gradients of parameters several stages hold; then average over the
-        data-parallel replicas."""
+        """Sum the gradients of parameters several pipeline ranks use over those ranks;
+        average the rest over the data-parallel replicas unless FSDP did."""
         s = state.require("mp.step")
-        if self._shared:
-            params = dict(self.module.named_parameters(remove_duplicate=False))
-            shared = [params[name] for name in self._shared]
-            # a stage without the tensor (meta here) adds zeros, so all reduce one size
-            grads = [p.grad if p.grad is not None and p.device.type != "meta"
-                     else torch.zeros(p.shape, dtype=p.dtype, device=s.device)
-                     for p in shared]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=get_process_group(CommGroup.PP_GROUP))
-            offset = 0
-            for p, g in zip(shared, grads, strict=True):
-                if p.device.type != "meta":
-                    p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
-                offset += g.numel()
-        if s.topology.size_of(CommGroup.RDP_GROUP) > 1:
-            local = [p for p in self.local_parameters() if p.grad is not None]
-            if local:
-                flat = torch.cat([p.grad.reshape(-1) for p in local])
-                dist.all_reduce(flat, group=get_process_group(CommGroup.RDP_GROUP))
-                flat /= s.topology.size_of(CommGroup.RDP_GROUP)
-                offset = 0
-                for p in local:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                    offset += p.numel()
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        for group, names in self._shared:
+            _all_reduce_grads([params[n] for n in names], group)
+        rdp = s.topology.size_of(CommGroup.RDP_GROUP)
+        if rdp > 1:
+            replicas = [p for p in self.local_parameters() if id(p) not in self._fsdp]
+            _all_reduce_grads(replicas, get_process_group(CommGroup.RDP_GROUP), 1 / rdp)
 
     def _finish_partition(self) -> None:
-        device = state.require("mp.DistributedModel").device
-        with torch.no_grad():  # SMP v1 places each stage on its device; keep Parameter identity
-            for t in [*self.module.parameters(), *self.module.buffers()]:
-                if t.device.type != "meta" and t.device != device:
-                    t.data = t.data.to(device)
         self.partitioned = True
         for hook in self._hooks:
             hook(self, DistributedOptimizer._instance)
@@ -385,6 +389,22 @@ class DistributedModel(nn.Module):
         for stage in self._stage_ids(pp_rank):
             held += [m for m in self._split.modules_of(stage) if m not in held]
         return held
+
+
+def _all_reduce_grads(params: list[nn.Parameter], group, scale: float = 1.0) -> None:
+    """Sum (times ``scale``) this rank's part of the parameters' gradients over ``group``,
+    as one flat tensor."""
+    grads = [compose.local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    if scale != 1.0:
+        flat *= scale
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _sum_costs(costs: dict[str, tuple[float, float]]) -> tuple[float, float]:
@@ -415,8 +435,9 @@ class DistributedOptimizer:
         if self._filtered or model is None or not model.partitioned:
             return
         held = {id(p) for p in model.local_parameters()}
-        for group in self.optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in held]
+        for group in self.optimizer.param_groups:  # tensor/data parallelism replaced some
+            params = [model._replaced.get(id(p), p) for p in group["params"]]
+            group["params"] = [p for p in params if id(p) in held]
         self._filtered = True
 
     def step(self, *args, **kwargs):

@@ -7,7 +7,7 @@ from torch import nn
 import modelparallel as mp
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
-from modelparallel.testing import WorkerError, assert_parity, token_batches, train
+from modelparallel.testing import assert_parity, token_batches, train
 from modelparallel.testing.parity import TrainResult
 
 STEPS = 5
@@ -100,14 +100,28 @@ CASES = [
     # active_microbatches: the schedule runs in rounds
     (2, {**PP2, "microbatches": 4, "pipeline": "simple", "active_microbatches": 2}, {}),
     (2, {**PP2, "microbatches": 4, "pipeline": "interleaved", "active_microbatches": 1}, {}),
+    # tensor and sharded data parallelism inside DistributedModel
+    (4, {**PP2, "microbatches": 2, "hybrid_shard_degree": 2}, {}),  # pp 2 x FSDP 2
+    (4, {**PP2, "microbatches": 2, "hybrid_shard_degree": 2}, {"tied": True}),
+    (4, {**PP2, "microbatches": 2, "tensor_parallel_degree": 2}, {}),
+    (8, {**PP2, "microbatches": 2, "tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, {}),
+    (8, {**PP2, "microbatches": 2, "tensor_parallel_degree": 2, "hybrid_shard_degree": 2},
+     {"tied": True}),
+    (2, {"pipeline_parallel_degree": 1, "microbatches": 2, "tensor_parallel_degree": 2}, {}),
+    (4, {"pipeline_parallel_degree": 1, "microbatches": 2, "tensor_parallel_degree": 2,
+         "hybrid_shard_degree": 2}, {}),
 ]
+
+
+ABBREVIATIONS = {"active_microbatches": "active", "tensor_parallel_degree": "tp",
+                 "hybrid_shard_degree": "hsd"}
 
 
 def case_id(case) -> str:
     world, config, opts = case
     return "-".join([f"w{world}", f"pp{config['pipeline_parallel_degree']}",
                      f"mb{config['microbatches']}", config.get("pipeline", "interleaved"),
-                     *[f"active{v}" for k, v in config.items() if k == "active_microbatches"],
+                     *[f"{short}{config[k]}" for k, short in ABBREVIATIONS.items() if k in config],
                      *opts])
 
 
@@ -144,13 +158,61 @@ def test_model_outside_a_step_and_a_second_model_are_errors(workers):
     assert "only one mp.DistributedModel may exist per process" in second
 
 
-def tensor_parallel_case():
-    mp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2})
-    mp.DistributedModel(gpt(2))
+def methods_case(config: dict):
+    mp.init(config)
+    calls = []
+    model = mp.DistributedModel(gpt(4))
+    model.register_post_partition_hook(lambda m, o: calls.append((m.partitioned, o)))
+    optimizer = mp.DistributedOptimizer(sgd(model.parameters()))
+
+    @mp.step
+    def train_step(model, x, y):
+        loss = lm_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    def step(x, y):
+        optimizer.zero_grad()
+        loss = train_step(model, x, y).reduce_mean()
+        optimizer.step()
+        return float(loss)
+
+    batches = token_batches(4, GLOBAL_BATCH, SEQ, VOCAB, seed=3)
+    for x, y in batches[:2]:
+        step(x, y)
+    saved_model, saved_optimizer = model.state_dict(), optimizer.state_dict()
+    first = [step(x, y) for x, y in batches[2:]]
+    model.load_state_dict(saved_model)
+    optimizer.load_state_dict(saved_optimizer)  # momentum buffers included
+    again = [step(x, y) for x, y in batches[2:]]
+
+    local = dict(model.local_named_parameters())
+    modules = {name for name, m in model.module.named_modules()
+               if any(m is lm for lm in model.local_modules())}
+    return {"hook": [(partitioned, o is optimizer) for partitioned, o in calls],
+            "first": first, "again": again, "local": sorted(local),
+            "modules": modules, "state": len(optimizer.local_state_dict()["state"]),
+            "params": len(list(model.local_parameters())),
+            "full": sorted(saved_model)}
 
 
-def test_tensor_parallel_in_distributed_model_is_rejected_with_the_alternative(workers):
-    with pytest.raises(WorkerError) as err:
-        workers(2).run(tensor_parallel_case)
-    assert "failed on 2 ranks" in str(err.value)
-    assert "does not apply tensor parallelism yet; use mp.transform(model)" in str(err.value)
+@pytest.mark.parametrize("config", [
+    {**PP2, "microbatches": 2},
+    {**PP2, "microbatches": 2, "hybrid_shard_degree": 2},
+], ids=["pp2", "pp2-fsdp2"])
+def test_model_and_optimizer_methods(workers, config):
+    world = 2 * config.get("hybrid_shard_degree", 1)
+    results = workers(world).run(methods_case, config=config)
+    for r in results:
+        assert r["hook"] == [(True, True)]  # once, after the split, with the optimizer
+        assert r["again"] == r["first"]     # state dicts restore model and optimizer
+        assert r["state"] == r["params"]    # momentum for exactly the held parameters
+    by_stage = {mp_rank: results[rank] for rank, mp_rank in ((0, 0), (world - 1, 1))}
+    stage0, stage1 = by_stage[0], by_stage[1]
+    assert "tok_emb.weight" in stage0["local"] and "tok_emb.weight" not in stage1["local"]
+    assert "lm_head.weight" in stage1["local"] and "blocks.0.ln_1.weight" in stage0["local"]
+    assert "blocks.3" in stage1["modules"] and "blocks.3" not in stage0["modules"]
+    names = {n for n, _ in gpt(4).named_parameters()}
+    assert set(stage0["local"]) | set(stage1["local"]) == names
+    assert not set(stage0["local"]) & set(stage1["local"])
+    assert set(stage0["full"]) >= names

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from modelparallel.config import ConfigError
+from modelparallel.parallel.placement import to_device
 from modelparallel.parallel.tensor import batch, rng
 from modelparallel.parallel.tensor.plans import TPOptions, TPPlan, marked, plan_for
 from modelparallel.state import state
@@ -73,8 +74,7 @@ def transform(model: nn.Module, *, sequence_parallel: bool = False,
         if s.rank == 0:
             warnings.warn(_unsplit_message(model, degree), UnsplitModelWarning, stacklevel=2)
         return model
-    if s.device.type != "cpu":
-        model.to(s.device)
+    to_device(model, s.device)  # a pipeline stage's model has other stages' parts on meta
     tied = _tied_groups(model)
     mesh = s.meshes["tp"]
     regions: dict[str, str] = {}

@@ -1,0 +1,97 @@
+"""Tensor and sharded data parallelism on the modules a pipeline rank holds (3D).
+
+Order as DESIGN.md: split into stages first (the caller), then tensor parallelism,
+then FSDP2 units bottom-up on what this rank holds. Modules of other stages keep meta
+parameters and are never run here (stubs stand in for them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from modelparallel.parallel.placement import to_device
+from modelparallel.parallel.sharding import data_parallel_mesh, mixed_precision_policy
+from modelparallel.parallel.tensor.transform import transform
+from modelparallel.state import State
+
+
+def shards_data_parallel(s: State) -> bool:
+    """FSDP over the data-parallel ranks, or (False) replicas that all-reduce gradients."""
+    return s.topology.dp_shard > 1 and not s.config.ddp
+
+
+def parallelize(model: nn.Module, units: list[str], s: State) -> set[int]:
+    """Tensor parallelism per the model's plans, then one FSDP unit per module path in
+    ``units`` (``""`` = the root, last). Modules sharing a parameter (tied embeddings
+    held on one rank) form one unit. Parameters are replaced by DTensors; returns the
+    ids of those FSDP manages (it averages their gradients over the data-parallel
+    ranks)."""
+    tied = _tied_users(model)
+    to_device(model, s.device)  # SMP v1 places each stage on its rank's device
+    if s.topology.tp > 1:
+        transform(model)
+    if not shards_data_parallel(s):
+        return set()
+    mesh = data_parallel_mesh(s)
+    policy = mixed_precision_policy(s.config)
+    modules = [model.get_submodule(path) for path in units]
+    for group in _merge_tied(modules):
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy)
+    _retie(tied, {id(m) for unit in modules for m in unit.modules()})
+    return {id(p) for path in units for p in model.get_submodule(path).parameters()
+            if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names
+            and set(p.device_mesh.mesh_dim_names) & {"dp_shard", "dp_replicate"}}
+
+
+def _merge_tied(modules: list[nn.Module]) -> list[list[nn.Module]]:
+    """Group modules that share a parameter; FSDP must manage a tensor in one unit. A
+    module's parameters inside another (nested) unit belong to that one."""
+    groups: list[list[nn.Module]] = []
+    owners: dict[int, list[nn.Module]] = {}
+    units = {id(m) for m in modules}
+    for module in modules:
+        own = [p for m in _within(module, units) for p in m.parameters(recurse=False)]
+        joined = next((owners[id(p)] for p in own if id(p) in owners), None)
+        if joined is None:
+            joined = []
+            groups.append(joined)
+        joined.append(module)
+        for p in own:
+            owners[id(p)] = joined
+    return groups
+
+
+def _within(unit: nn.Module, units: set[int]) -> list[nn.Module]:
+    """``unit`` and its submodules, without the subtrees of other units."""
+    found, todo = [], [unit]
+    while todo:
+        m = todo.pop()
+        found.append(m)
+        todo += [c for c in m.children() if id(c) not in units]
+    return found
+
+
+def _tied_users(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    users: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            users.setdefault(id(p), []).append((module, name))
+    return [u for u in users.values() if len(u) > 1]
+
+
+def _retie(tied: list[list[tuple[nn.Module, str]]], sharded: set[int]) -> None:
+    """After FSDP replaced a tied parameter in a module it shards here, the other users
+    (stubbed on this rank) point at the new one too: the model has one tensor again."""
+    for users in tied:
+        owner = next(((m, n) for m, n in users if id(m) in sharded), None)
+        if owner is not None:
+            for module, name in users:
+                setattr(module, name, getattr(*owner))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (DTensor or plain)."""
+    return t.to_local() if isinstance(t, DTensor) else t
