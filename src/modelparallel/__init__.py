@@ -12,6 +12,7 @@ from modelparallel.api import (
     DistributedOptimizer,
     OutsideStepError,
     partition,
+    set_activation_checkpointing,
     set_partition,
     step,
 )
@@ -138,6 +139,7 @@ __all__ = [
     "replicate",
     "reset",
     "send",
+    "set_activation_checkpointing",
     "set_partition",
     "set_tensor_parallelism",
     "shard",

@@ -62,13 +62,32 @@ def set_partition(module: nn.Module, index: int) -> None:
     object.__setattr__(module, _PARTITION_ATTR, index)
 
 
+def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True,
+                                 pack_args_as_tuple: bool = False,
+                                 strategy: str = "each") -> None:
+    """Recompute ``module``'s activations in backward instead of keeping them (SMP v1).
+
+    Call before the first step. An ``nn.Sequential`` / ``nn.ModuleList`` has each child
+    checkpointed (``strategy="each"``, the only strategy here). Module names stay as
+    they are. ``pack_args_as_tuple`` is accepted for SMP v1 scripts; not needed here.
+    """
+    del pack_args_as_tuple
+    if strategy != "each":
+        raise ValueError(f"strategy={strategy!r} is not supported; use 'each' (every child of "
+                         "a Sequential/ModuleList recomputed on its own), or mark the modules "
+                         "to group yourself")
+    object.__setattr__(module, compose.CHECKPOINT_ATTR, preserve_rng_state)
+
+
 class DistributedModel(nn.Module):
     """A model split over the pipeline stages and wrapped for data parallelism.
 
-    With ``pipeline_parallel_degree`` > 1 the split happens at the first ``@mp.step``
-    call: one microbatch is traced, the repeated layers are balanced over the stages
-    (or placed by ``mp.partition`` / ``mp.set_partition``), and every rank keeps only
-    its stage's parameters. Call the model and ``backward`` only inside a step function.
+    At the first ``@mp.step`` call (as SMP v1): with ``pipeline_parallel_degree`` > 1
+    one microbatch is traced, the repeated layers are balanced over the stages (or
+    placed by ``mp.partition`` / ``mp.set_partition``), and every rank keeps only its
+    stage's parameters; then activation checkpointing (``set_activation_checkpointing``),
+    tensor and data parallelism apply to what the rank holds. Call the model and
+    ``backward`` only inside a step function.
     """
 
     _instance: DistributedModel | None = None
@@ -97,11 +116,6 @@ class DistributedModel(nn.Module):
         self._replaced: dict[int, nn.Parameter] = {}  # old parameter id -> its DTensor
         self._events: list[Event] | None = None  # recorded by record_schedule()
         DistributedModel._instance = self
-        if self._pp == 1:  # no split: tensor and data parallelism apply now
-            found = {id(b) for b in find_blocks(module)}
-            blocks = [name for name, m in module.named_modules() if id(m) in found]
-            self._parallelize([*blocks, ""])
-            self._finish_partition()
 
     # -- SMP v1 methods ------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -202,6 +216,11 @@ class DistributedModel(nn.Module):
     def _run_step(self, microbatches: list[Microbatch]) -> list[Any]:
         s = state.require("mp.step")
         if self._pp == 1:
+            if not self.partitioned:  # as SMP v1: wrapping happens at the first step
+                found = {id(b) for b in find_blocks(self.module)}
+                self._parallelize([n for n, m in self.module.named_modules() if id(m) in found]
+                                  + [""])
+                self._finish_partition()
             results = [self._run_direct(mb, len(microbatches)) for mb in microbatches]
             if torch.is_grad_enabled():
                 self._sync_gradients()
@@ -509,4 +528,4 @@ def step(fn: Callable | None = None, *, non_split_inputs: Collection[str] = (),
 
 
 __all__ = ["DistributedModel", "DistributedOptimizer", "OutsideStepError", "partition",
-           "set_partition", "step"]
+           "set_activation_checkpointing", "set_partition", "step"]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from torch import nn
+from torch.distributed._composable.contract import _get_registry
 
 import modelparallel as mp
 from modelparallel.models import GPT, GPTConfig
@@ -33,7 +34,8 @@ def reference(layers: int, tied: bool = False) -> TrainResult:
                  optimizer=lambda m: sgd(m.parameters()), loss_fn=lm_loss)
 
 
-def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: bool = False):
+def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: bool = False,
+                  checkpointed: bool = False):
     mp.init(config)
     ref = reference(layers, tied)
     model = gpt(layers, tied)
@@ -41,6 +43,8 @@ def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: boo
         for i, block in enumerate(model.blocks):
             mp.set_partition(block, 0 if i < layers - 1 else config["pipeline_parallel_degree"] - 1)
     model = mp.DistributedModel(model)
+    if checkpointed:  # SMP v1 scripts mark modules after wrapping
+        mp.set_activation_checkpointing(model.module.blocks)
     optimizer = mp.DistributedOptimizer(sgd(model.parameters()))
 
     @mp.step
@@ -62,6 +66,10 @@ def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: boo
     if tied:
         params.setdefault("lm_head.weight", params["tok_emb.weight"])
     assert_parity(TrainResult(losses, params), ref)
+    held = list(model.local_modules())
+    blocks = [b for b in model.module.blocks if any(b is m for m in held)]
+    recomputed = [m for m in held if "checkpoint" in (_get_registry(m) or {})]
+    assert recomputed == (blocks if checkpointed else [])
 
     @mp.step
     def eval_step(model, x):
@@ -110,6 +118,11 @@ CASES = [
     (2, {"pipeline_parallel_degree": 1, "microbatches": 2, "tensor_parallel_degree": 2}, {}),
     (4, {"pipeline_parallel_degree": 1, "microbatches": 2, "tensor_parallel_degree": 2,
          "hybrid_shard_degree": 2}, {}),
+    # activation checkpointing (mp.set_activation_checkpointing)
+    (2, {**PP2, "microbatches": 2}, {"checkpointed": True}),
+    (4, {**PP2, "microbatches": 2, "hybrid_shard_degree": 2}, {"checkpointed": True}),
+    (4, {"pipeline_parallel_degree": 1, "microbatches": 2, "tensor_parallel_degree": 2,
+         "hybrid_shard_degree": 2}, {"checkpointed": True}),
 ]
 
 

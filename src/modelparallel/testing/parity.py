@@ -101,7 +101,7 @@ def parity_problems(result: TrainResult, reference: TrainResult, rtol: float = 1
     if len(result.losses) != len(reference.losses):
         problems.append(f"{len(result.losses)} losses vs {len(reference.losses)} reference")
     for step, (a, b) in enumerate(zip(result.losses, reference.losses, strict=False)):
-        if abs(a - b) > rtol * abs(b):
+        if not abs(a - b) <= rtol * abs(b):  # written so that NaN fails too
             problems.append(f"step {step}: loss {a:.8f} vs reference {b:.8f} "
                             f"(relative error {abs(a - b) / abs(b):.2e})")
     if set(result.params) != set(reference.params):
@@ -113,7 +113,7 @@ def parity_problems(result: TrainResult, reference: TrainResult, rtol: float = 1
             problems.append(f"{name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
             continue
         diff, scale = (a - b).abs().max().item(), b.abs().max().item()
-        if diff > rtol * scale + atol:
+        if not diff <= rtol * scale + atol:  # NaN fails
             problems.append(f"{name}: max difference {diff:.3e} > {rtol} x max |value| "
                             f"{scale:.3e} + {atol}")
     return problems

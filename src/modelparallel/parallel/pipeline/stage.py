@@ -69,7 +69,8 @@ class StageModule(nn.Module):
             if self.stage > 0:
                 layer = self.model.get_submodule(self._first_layer)
                 handle = layer.register_forward_pre_hook(
-                    lambda module, a, k: ((x, *a[1:]), k), with_kwargs=True)
+                    lambda module, a, k: ((x, *a[1:]), k), with_kwargs=True,
+                    prepend=True)  # before hooks that keep the inputs (recomputation)
             out = self.model(*args, **kwargs)
         finally:
             if handle is not None:
