@@ -104,3 +104,31 @@ def test_smp_v1_script_trains_a_two_stage_pipeline(modelparallel, tmp_path, clea
     for name in ("embed.weight", "fc_in.weight", "blocks.0.fc1.weight",  # stage 0
                  "blocks.3.fc2.weight", "fc_out.weight"):                 # stage 1
         assert not torch.equal(state[name], initial[name]), f"{name} was not trained"
+
+
+def test_an_error_on_the_last_stage_ends_every_stage(modelparallel, tmp_path, clean_env):
+    """The first stage waits for gradients the failed last stage never sends; the
+    launcher stops it and names the failing rank with its traceback."""
+    clean_env["CUDA_VISIBLE_DEVICES"] = ""
+    path = tmp_path / "train.py"
+    path.write_text(
+        "import torch\n"
+        "import modelparallel as smp\n"
+        "smp.init({'pipeline_parallel_degree': 2, 'microbatches': 2})\n"
+        "model = smp.DistributedModel(torch.nn.Sequential(*[torch.nn.Linear(8, 8)\n"
+        "                                                   for _ in range(4)]))\n"
+        "@smp.step\n"
+        "def train_step(model, x, step):\n"
+        "    loss = model(x).pow(2).mean()\n"
+        "    if step == 2:\n"
+        "        raise ValueError('loss went bad at step 2')\n"
+        "    model.backward(loss)\n"
+        "    return loss\n"
+        "for step in range(4):\n"
+        "    train_step(model, torch.ones(4, 8), step)\n")
+    ran = modelparallel("run", "--nproc-per-node", 2, path, timeout=120)
+    assert ran.code == 1, ran.all
+    summary = ran.err[ran.err.index("modelparallel run: rank"):]
+    assert "rank 1 (local rank 1) failed first with exit code 1" in summary
+    assert "ValueError: loss went bad at step 2" in summary
+    assert "stopped by the launcher: rank(s) 0" in summary
