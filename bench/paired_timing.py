@@ -38,18 +38,38 @@ def compare_step_times(ours: Callable[[], nn.Module], hand: Callable[[], nn.Modu
                        batch: tuple[torch.Tensor, torch.Tensor], steps: int) -> dict:
     """``ratio`` (ours / hand), per-round ``rounds`` ratios and each variant's mean of
     per-round median step times in seconds (``ours``, ``hand``)."""
+
+    def stepper(build: Callable[[], nn.Module]) -> Callable[[], Callable[[], None]]:
+        def make() -> Callable[[], None]:
+            model = build()
+            opt = optimizer(model)
+            return lambda: lm_step(model, opt, *batch)
+        return make
+
+    return compare_steps(stepper(ours), stepper(hand), steps)
+
+
+def compare_steps(ours: Callable[[], Callable[[], None]], hand: Callable[[], Callable[[], None]],
+                  steps: int) -> dict:
+    """As :func:`compare_step_times`, for variants whose builder returns their whole
+    training step as a function of no arguments (model, optimizer and batch bound in).
+
+    Every rank runs the same steps in the same order, so variants that are collective
+    (a pipeline, a sharded model) stay in step across ranks.
+    """
     ratios, medians = [], {"ours": [], "hand": []}
     for round_ in range(2):
         builders = [("ours", ours), ("hand", hand)]
         order = builders if round_ == 0 else builders[::-1]
-        models = {name: build() for name, build in order}
-        opts = {name: optimizer(m) for name, m in models.items()}
+        step_fns = {}  # the previous round's variants are freed before building anew
+        for name, build in order:
+            step_fns[name] = build()
         times: dict[str, list[float]] = {"ours": [], "hand": []}
         for i in range(steps + 2):  # two warm-up steps each
             for name in ("ours", "hand") if i % 2 else ("hand", "ours"):
                 dist.barrier()
                 start = time.perf_counter()
-                lm_step(models[name], opts[name], *batch)
+                step_fns[name]()
                 dist.barrier()
                 if i >= 2:
                     times[name].append(time.perf_counter() - start)

@@ -176,8 +176,7 @@ class StageRunner:
             return sum((t.float().sum() * 0.0 for t in leaves), zero)
         mb = self.microbatches[i]
         kind, value = mb.resume(("output", self.outputs.pop(i)))
-        if kind == "backward":
-            mb.results = mb.resume(("continue", None))
+        if kind == "backward":  # the rest of the step function runs after the schedule
             return mb.loss * mb.scale  # the mean over microbatches, as one process
         mb.results = (kind, value)
         raise RuntimeError("the step function returned without calling model.backward(loss) "
@@ -205,6 +204,7 @@ class StageRunner:
             stage.has_backward = self.train
             stage.clear_runtime_states()
         self.schedule._step_microbatches(args, kwargs, targets, None, return_outputs=False)
-        if self.holds_last and not self.train:
+        if self.holds_last:
             for i, mb in enumerate(microbatches):
-                mb.results = mb.resume(("output", self.outputs.pop(i)))
+                mb.results = (mb.resume(("continue", None)) if self.train
+                              else mb.resume(("output", self.outputs.pop(i))))

@@ -14,6 +14,10 @@ class LeakedActivationError(RuntimeError):
     """A stage's output depends on a value computed on another stage."""
 
 
+class _Captured(BaseException):  # noqa: N818 -- control flow, not an error
+    """Ends a stage's model forward once the next stage's input is known."""
+
+
 class StageModule(nn.Module):
     """Runs ``model``'s forward for stage ``stage`` of ``split``.
 
@@ -61,10 +65,12 @@ class StageModule(nn.Module):
         originals = {}
         handle = None
         try:
+            def capture(a, k):  # the rest of the forward belongs to later stages
+                captured.append(a[0])
+                raise _Captured
+
             for path, stub in self._stubs.items():
-                stub.__dict__["_on_call"] = (
-                    (lambda a, k: captured.append(a[0]) if not captured else None)
-                    if path == self._next_layer else None)
+                stub.__dict__["_on_call"] = capture if path == self._next_layer else None
                 originals[path] = swap_module(self.model, path, stub)
             if self.stage > 0:
                 layer = self.model.get_submodule(self._first_layer)
@@ -72,6 +78,8 @@ class StageModule(nn.Module):
                     lambda module, a, k: ((x, *a[1:]), k), with_kwargs=True,
                     prepend=True)  # before hooks that keep the inputs (recomputation)
             out = self.model(*args, **kwargs)
+        except _Captured:
+            out = None
         finally:
             if handle is not None:
                 handle.remove()
