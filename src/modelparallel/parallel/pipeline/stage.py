@@ -14,7 +14,7 @@ class LeakedActivationError(RuntimeError):
     """A stage's output depends on a value computed on another stage."""
 
 
-class _Captured(BaseException):  # noqa: N818 -- control flow, not an error
+class _Captured(BaseException):
     """Ends a stage's model forward once the next stage's input is known."""
 
 
