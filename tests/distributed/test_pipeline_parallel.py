@@ -86,13 +86,10 @@ def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: boo
 
 PP2 = {"pipeline_parallel_degree": 2}
 CASES = [
-    (2, {**PP2, "microbatches": 1, "pipeline": "simple"}, {}),
-    (2, {**PP2, "microbatches": 1}, {}),  # 1F1B with fewer microbatches than stages
-    (2, {**PP2, "microbatches": 2, "pipeline": "simple"}, {}),
-    (2, {**PP2, "microbatches": 4, "pipeline": "interleaved"}, {}),
-    (2, {**PP2, "microbatches": 8, "pipeline": "interleaved"}, {}),
-    (4, {"pipeline_parallel_degree": 4, "microbatches": 4, "pipeline": "simple"}, {}),
-    (4, {"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline": "interleaved"}, {}),
+    # pp 2 and 4 x microbatches 1, 2, 4, 8 x GPipe and 1F1B (1F1B with fewer
+    # microbatches than stages runs as GPipe)
+    *[(pp, {"pipeline_parallel_degree": pp, "microbatches": m, "pipeline": schedule}, {})
+      for pp in (2, 4) for m in (1, 2, 4, 8) for schedule in ("simple", "interleaved")],
     (2, {**PP2, "microbatches": 2}, {"tied": True}),
     (4, {"pipeline_parallel_degree": 4, "microbatches": 4}, {"tied": True}),  # middle stages
     (2, {**PP2, "microbatches": 2}, {"manual": True}),

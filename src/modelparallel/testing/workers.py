@@ -121,7 +121,8 @@ class WorkerGroup:
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
         errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         while pending:
             now = time.monotonic()
             if now > deadline:
@@ -145,7 +146,10 @@ class WorkerGroup:
             lines = [f"{what} failed on {self.world_size} ranks:"]
             lines += [f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items())]
             if pending:
-                lines.append(f"no answer within {timeout_s:.0f}s from rank(s) {sorted(pending)}")
+                waited = time.monotonic() - start
+                why = " (10 s after the first error)" if errors else ""
+                lines.append(f"no answer within {waited:.0f}s{why} from rank(s) "
+                             f"{sorted(pending)}")
             raise WorkerError("\n".join(lines))
         return results
 
