@@ -28,8 +28,8 @@ from modelparallel.parallel.pipeline.runtime import (
     Microbatch,
     OutsideStepError,
     StageRunner,
-    _current,
     current_microbatch,
+    running_microbatch,
 )
 from modelparallel.parallel.placement import is_meta
 from modelparallel.state import state
@@ -509,7 +509,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: Collection[str] = (),
             if model is None:
                 raise RuntimeError("create mp.DistributedModel(model) before calling a "
                                    "@mp.step function")
-            if getattr(_current, "microbatch", None) is not None:
+            if running_microbatch() is not None:
                 raise RuntimeError("@mp.step functions cannot call each other")
             s = state.require("mp.step")
             pieces = split_step_inputs(fn, args, kwargs, s.config.microbatches,
