@@ -34,6 +34,13 @@ def reference(layers: int, tied: bool = False) -> TrainResult:
                  optimizer=lambda m: sgd(m.parameters()), loss_fn=lm_loss)
 
 
+@mp.step
+def train_step(model, x, y):
+    loss = lm_loss(model(x), y)
+    model.backward(loss)
+    return loss
+
+
 def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: bool = False,
                   checkpointed: bool = False):
     mp.init(config)
@@ -46,12 +53,6 @@ def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: boo
     if checkpointed:  # SMP v1 scripts mark modules after wrapping
         mp.set_activation_checkpointing(model.module.blocks)
     optimizer = mp.DistributedOptimizer(sgd(model.parameters()))
-
-    @mp.step
-    def train_step(model, x, y):
-        loss = lm_loss(model(x), y)
-        model.backward(loss)
-        return loss
 
     losses = []
     rows = GLOBAL_BATCH // mp.dp_size()
@@ -175,12 +176,6 @@ def methods_case(config: dict):
     model = mp.DistributedModel(gpt(4))
     model.register_post_partition_hook(lambda m, o: calls.append((m.partitioned, o)))
     optimizer = mp.DistributedOptimizer(sgd(model.parameters()))
-
-    @mp.step
-    def train_step(model, x, y):
-        loss = lm_loss(model(x), y)
-        model.backward(loss)
-        return loss
 
     def step(x, y):
         optimizer.zero_grad()

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from modelparallel.parallel.placement import is_meta, to_device
 from modelparallel.parallel.sharding import data_parallel_mesh, mixed_precision_policy
-from modelparallel.parallel.tensor.transform import transform
+from modelparallel.parallel.tensor.transform import tied_groups, transform
 from modelparallel.state import State
 
 CHECKPOINT_ATTR = "_mp_activation_checkpointing"  # set by mp.set_activation_checkpointing
@@ -32,7 +32,7 @@ def parallelize(model: nn.Module, units: list[str], s: State) -> set[int]:
     held on one rank) form one unit. Parameters are replaced by DTensors; returns the
     ids of those FSDP manages (it averages their gradients over the data-parallel
     ranks)."""
-    tied = _tied_users(model)
+    tied = tied_groups(model)
     to_device(model, s.device)  # SMP v1 places each stage on its rank's device
     if s.topology.tp > 1:
         transform(model)
@@ -89,14 +89,6 @@ def _within(unit: nn.Module, units: set[int]) -> list[nn.Module]:
         found.append(m)
         todo += [c for c in m.children() if id(c) not in units]
     return found
-
-
-def _tied_users(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    users: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            users.setdefault(id(p), []).append((module, name))
-    return [u for u in users.values() if len(u) > 1]
 
 
 def _retie(tied: list[list[tuple[nn.Module, str]]], sharded: set[int]) -> None:

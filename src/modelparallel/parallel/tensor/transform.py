@@ -75,7 +75,7 @@ def transform(model: nn.Module, *, sequence_parallel: bool = False,
             warnings.warn(_unsplit_message(model, degree), UnsplitModelWarning, stacklevel=2)
         return model
     to_device(model, s.device)  # a pipeline stage's model has other stages' parts on meta
-    tied = _tied_groups(model)
+    tied = tied_groups(model)
     mesh = s.meshes["tp"]
     regions: dict[str, str] = {}
     for f in found:
@@ -148,7 +148,7 @@ def _divide_attr(module: nn.Module, dotted: str, degree: int) -> None:
         setattr(owner, attr, getattr(owner, attr) // degree)
 
 
-def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+def tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """(module, parameter name) of every parameter used by more than one module."""
     users: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
