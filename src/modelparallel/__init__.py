@@ -12,7 +12,6 @@ from modelparallel.api import (
     DistributedOptimizer,
     OutsideStepError,
     partition,
-    set_activation_checkpointing,
     set_partition,
     step,
 )
@@ -66,6 +65,7 @@ from modelparallel.parallel import (
     load_full_state_dict,
     loss_parallel,
     replicate,
+    set_activation_checkpointing,
     set_tensor_parallelism,
     shard,
     tensor_parallelism,

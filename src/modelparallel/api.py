@@ -62,31 +62,15 @@ def set_partition(module: nn.Module, index: int) -> None:
     object.__setattr__(module, _PARTITION_ATTR, index)
 
 
-def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True,
-                                 pack_args_as_tuple: bool = False,
-                                 strategy: str = "each") -> None:
-    """Recompute ``module``'s activations in backward instead of keeping them (SMP v1).
-
-    Call before the first step. An ``nn.Sequential`` / ``nn.ModuleList`` has each child
-    checkpointed (``strategy="each"``, the only strategy here). Module names stay as
-    they are. ``pack_args_as_tuple`` is accepted for SMP v1 scripts; not needed here.
-    """
-    del pack_args_as_tuple
-    if strategy != "each":
-        raise ValueError(f"strategy={strategy!r} is not supported; use 'each' (every child of "
-                         "a Sequential/ModuleList recomputed on its own), or mark the modules "
-                         "to group yourself")
-    object.__setattr__(module, compose.CHECKPOINT_ATTR, preserve_rng_state)
-
-
 class DistributedModel(nn.Module):
     """A model split over the pipeline stages and wrapped for data parallelism.
 
     At the first ``@mp.step`` call (as SMP v1): with ``pipeline_parallel_degree`` > 1
     one microbatch is traced, the repeated layers are balanced over the stages (or
     placed by ``mp.partition`` / ``mp.set_partition``), and every rank keeps only its
-    stage's parameters; then activation checkpointing (``set_activation_checkpointing``),
-    tensor and data parallelism apply to what the rank holds. Call the model and
+    stage's parameters; then tensor parallelism, activation checkpointing
+    (``set_activation_checkpointing``) and data parallelism apply to what the rank
+    holds. Call the model and
     ``backward`` only inside a step function.
     """
 
@@ -528,4 +512,4 @@ def step(fn: Callable | None = None, *, non_split_inputs: Collection[str] = (),
 
 
 __all__ = ["DistributedModel", "DistributedOptimizer", "OutsideStepError", "partition",
-           "set_activation_checkpointing", "set_partition", "step"]
+           "set_partition", "step"]

@@ -1,5 +1,6 @@
 """Appliers that turn a single-device model into a parallel one (see DESIGN.md)."""
 
+from modelparallel.parallel.activation import set_activation_checkpointing
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.clip import clip_grad_norm_
 from modelparallel.parallel.replicate import replicate
@@ -15,5 +16,5 @@ from modelparallel.parallel.tensor import (
 )
 
 __all__ = ["TPPlan", "clip_grad_norm_", "find_blocks", "full_state_dict", "load_full_state_dict",
-           "loss_parallel", "replicate", "set_tensor_parallelism", "shard", "tensor_parallelism",
-           "tp_register_with_module", "transform"]
+           "loss_parallel", "replicate", "set_activation_checkpointing", "set_tensor_parallelism",
+           "shard", "tensor_parallelism", "tp_register_with_module", "transform"]

@@ -1,24 +1,22 @@
 """Tensor and sharded data parallelism on the modules a pipeline rank holds (3D).
 
 Order as DESIGN.md: split into stages first (the caller), then tensor parallelism,
-then FSDP2 units bottom-up on what this rank holds. Modules of other stages keep meta
-parameters and are never run here (stubs stand in for them).
+activation checkpointing, and FSDP2 units bottom-up on what this rank holds. Modules
+of other stages keep meta parameters and are never run here (stubs stand in for them).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from modelparallel.parallel.placement import is_meta, to_device
+from modelparallel.parallel.activation import apply_activation_checkpointing
+from modelparallel.parallel.placement import to_device
 from modelparallel.parallel.sharding import data_parallel_mesh, mixed_precision_policy
 from modelparallel.parallel.tensor.transform import tied_groups, transform
 from modelparallel.state import State
-
-CHECKPOINT_ATTR = "_mp_activation_checkpointing"  # set by mp.set_activation_checkpointing
 
 
 def shards_data_parallel(s: State) -> bool:
@@ -36,7 +34,7 @@ def parallelize(model: nn.Module, units: list[str], s: State) -> set[int]:
     to_device(model, s.device)  # SMP v1 places each stage on its rank's device
     if s.topology.tp > 1:
         transform(model)
-    _checkpoint_marked(model)
+    apply_activation_checkpointing(model)
     if not shards_data_parallel(s):
         return set()
     mesh = data_parallel_mesh(s)
@@ -48,19 +46,6 @@ def parallelize(model: nn.Module, units: list[str], s: State) -> set[int]:
     return {id(p) for path in units for p in model.get_submodule(path).parameters()
             if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names
             and set(p.device_mesh.mesh_dim_names) & {"dp_shard", "dp_replicate"}}
-
-
-def _checkpoint_marked(model: nn.Module) -> None:
-    """Activation checkpointing on the marked modules this rank holds (before FSDP, so
-    recomputation runs inside FSDP's gathered parameters)."""
-    for module in list(model.modules()):
-        preserve_rng = getattr(module, CHECKPOINT_ATTR, None)
-        if preserve_rng is None:
-            continue
-        containers = (nn.Sequential, nn.ModuleList)
-        for target in module.children() if isinstance(module, containers) else [module]:
-            if not any(is_meta(p) for p in target.parameters()):
-                checkpoint(target, preserve_rng_state=preserve_rng)
 
 
 def _merge_tied(modules: list[nn.Module]) -> list[list[nn.Module]]:
