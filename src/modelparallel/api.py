@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modelparallel.comm import get_process_group
@@ -95,7 +96,9 @@ class DistributedModel(nn.Module):
         # parameters used on several pipeline ranks: (group of those ranks, names), their
         # gradients are summed over it
         self._shared: list[tuple[dist.ProcessGroup, list[str]]] = []
-        self._held: set[str] = set()   # parameter names this rank holds
+        # this rank's parameters by name, as wrapped (FSDP's sharded ones, which the
+        # optimizer updates, even while FSDP has swapped in gathered ones)
+        self._local: dict[str, nn.Parameter] = {}
         self._fsdp: set[int] = set()   # ids of parameters FSDP manages
         self._replaced: dict[int, nn.Parameter] = {}  # old parameter id -> its DTensor
         self._events: list[Event] | None = None  # recorded by record_schedule()
@@ -115,9 +118,7 @@ class DistributedModel(nn.Module):
         self._hooks.append(hook)
 
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if name in self._held:
-                yield name, p
+        yield from self._local.items()
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         seen = set()
@@ -136,7 +137,7 @@ class DistributedModel(nn.Module):
         """This rank's parameters and buffers under the model's own names."""
         params = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
         return {k: v for k, v in self.module.state_dict().items()
-                if k in self._held or (k not in params and not is_meta(v))}
+                if k in self._local or (k not in params and not is_meta(v))}
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The full model (every stage's parameters), on every rank, on CPU."""
@@ -208,6 +209,8 @@ class DistributedModel(nn.Module):
             results = [self._run_direct(mb, len(microbatches)) for mb in microbatches]
             if torch.is_grad_enabled():
                 self._sync_gradients()
+            else:
+                self._reshard()
             return results
         for mb in microbatches:
             kind, _ = mb.start()
@@ -236,6 +239,8 @@ class DistributedModel(nn.Module):
             self._events += recorder.events
         if train:
             self._sync_gradients()
+        else:
+            self._reshard()
         return self._from_last_stage(results)
 
     def _run_direct(self, mb: Microbatch, count: int) -> Any:
@@ -319,7 +324,7 @@ class DistributedModel(nn.Module):
         self._fsdp = compose.parallelize(self.module, units, s)
         after = dict(self.module.named_parameters(remove_duplicate=False))
         self._replaced = {id(before[n]): p for n, p in after.items() if p is not before[n]}
-        self._held = {n for n, p in after.items() if not is_meta(p)}
+        self._local = {n: p for n, p in after.items() if not is_meta(p)}
 
     def _free_other_stages(self, everything: list[str], held: list[str]) -> None:
         """Swap the parameters of modules this rank does not hold for meta tensors."""
@@ -372,6 +377,13 @@ class DistributedModel(nn.Module):
         if rdp > 1:
             replicas = [p for p in self.local_parameters() if id(p) not in self._fsdp]
             _all_reduce_grads(replicas, get_process_group(CommGroup.RDP_GROUP), 1 / rdp)
+
+    def _reshard(self) -> None:
+        """FSDP keeps a root unit's parameters gathered after forward, for the backward
+        that an evaluation step never runs: free them."""
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def _finish_partition(self) -> None:
         self.partitioned = True

@@ -41,6 +41,11 @@ def train_step(model, x, y):
     return loss
 
 
+@mp.step
+def eval_step(model, x):
+    return model(x)
+
+
 def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: bool = False,
                   checkpointed: bool = False):
     mp.init(config)
@@ -71,10 +76,6 @@ def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: boo
     blocks = [b for b in model.module.blocks if any(b is m for m in held)]
     recomputed = [m for m in held if "checkpoint" in (_get_registry(m) or {})]
     assert recomputed == (blocks if checkpointed else [])
-
-    @mp.step
-    def eval_step(model, x):
-        return model(x)
 
     x = token_batches(1, GLOBAL_BATCH, SEQ, VOCAB, seed=2)[0][0]
     with torch.no_grad():
@@ -184,6 +185,8 @@ def methods_case(config: dict):
         return float(loss)
 
     batches = token_batches(4, GLOBAL_BATCH, SEQ, VOCAB, seed=3)
+    with torch.no_grad():  # an evaluation first: the split and FSDP's gathering happen here
+        eval_step(model, batches[0][0])
     for x, y in batches[:2]:
         step(x, y)
     saved_model, saved_optimizer = model.state_dict(), optimizer.state_dict()
