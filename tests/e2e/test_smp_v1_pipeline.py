@@ -132,3 +132,22 @@ def test_an_error_on_the_last_stage_ends_every_stage(modelparallel, tmp_path, cl
     assert "rank 1 (local rank 1) failed first with exit code 1" in summary
     assert "ValueError: loss went bad at step 2" in summary
     assert "stopped by the launcher: rank(s) 0" in summary
+
+
+def test_smp_v1_script_trains_in_3d_layouts(modelparallel, tmp_path, clean_env):
+    """The same script, 4 ranks: 2 virtual stages per rank x sharded data parallel 2.
+    Each data-parallel replica reads its own samples, so the losses are not those of
+    one process; the model must still learn (it evaluates before training, too)."""
+    clean_env["CUDA_VISIBLE_DEVICES"] = ""
+    config = tmp_path / "smp.json"
+    config.write_text(json.dumps({"pipeline_parallel_degree": 2, "microbatches": 4,
+                                  "pipeline": "interleaved_1f1b", "hybrid_shard_degree": 2}))
+    ran = modelparallel("run", "--nproc-per-node", 4, "--config", config, SCRIPT,
+                        "--steps", STEPS, timeout=180)
+    assert ran.code == 0, ran.all
+    assert "pp_size 2, dp_size 2" in ran.out
+    done = FINAL_LINE.search(ran.out)
+    assert done, ran.out
+    _, first, last, test_before, test_after, accuracy = map(float, done.groups())
+    assert last < first - 0.5 and test_after < test_before - 2.0
+    assert accuracy > 20.0
