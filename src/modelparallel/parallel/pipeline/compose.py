@@ -25,11 +25,11 @@ def shards_data_parallel(s: State) -> bool:
 
 
 def parallelize(model: nn.Module, units: list[str], s: State) -> set[int]:
-    """Tensor parallelism per the model's plans, then one FSDP unit per module path in
-    ``units`` (``""`` = the root, last). Modules sharing a parameter (tied embeddings
-    held on one rank) form one unit. Parameters are replaced by DTensors; returns the
-    ids of those FSDP manages (it averages their gradients over the data-parallel
-    ranks)."""
+    """Tensor parallelism per the model's plans, activation checkpointing of the marked
+    modules, then one FSDP unit per module path in ``units`` (``""`` = the root, last).
+    Modules sharing a parameter (tied embeddings held on one rank) form one unit.
+    Parameters are replaced by DTensors; returns the ids of those FSDP manages (it
+    averages their gradients over the data-parallel ranks)."""
     tied = tied_groups(model)
     to_device(model, s.device)  # SMP v1 places each stage on its rank's device
     if s.topology.tp > 1:
