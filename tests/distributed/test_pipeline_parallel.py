@@ -1,5 +1,7 @@
 """Pipeline parallelism (SMP v1 style) vs one process: losses every step, parameters at the end."""
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -225,3 +227,25 @@ def test_model_and_optimizer_methods(workers, config):
     assert set(stage0["local"]) | set(stage1["local"]) == names
     assert not set(stage0["local"]) & set(stage1["local"])
     assert set(stage0["full"]) >= names
+
+
+def half_precision_case():
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("modelparallel").addHandler(handler)
+    try:
+        mp.init({**PP2, "microbatches": 2, "bf16": True})
+        model = mp.DistributedModel(gpt(4))
+        x, y = token_batches(1, GLOBAL_BATCH, SEQ, VOCAB)[0]
+        train_step(model, x, y)
+    finally:
+        logging.getLogger("modelparallel").removeHandler(handler)
+    return messages
+
+
+def test_half_precision_without_sharding_says_it_trains_in_fp32(workers):
+    rank0, rank1 = workers(2).run(half_precision_case)
+    assert any(m.startswith("bf16=True takes effect through FSDP's mixed precision") and
+               m.endswith("the model trains in fp32") for m in rank0)
+    assert not any("bf16" in m for m in rank1)  # said once

@@ -7,6 +7,8 @@ of other stages keep meta parameters and are never run here (stubs stand in for 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -17,6 +19,8 @@ from modelparallel.parallel.placement import to_device
 from modelparallel.parallel.sharding import data_parallel_mesh, mixed_precision_policy
 from modelparallel.parallel.tensor.transform import tied_groups, transform
 from modelparallel.state import State
+
+logger = logging.getLogger("modelparallel")
 
 
 def shards_data_parallel(s: State) -> bool:
@@ -36,6 +40,11 @@ def parallelize(model: nn.Module, units: list[str], s: State) -> set[int]:
         transform(model)
     apply_activation_checkpointing(model)
     if not shards_data_parallel(s):
+        if s.config.half_precision and s.rank == 0:
+            logger.warning("%s=True takes effect through FSDP's mixed precision, and this "
+                           "layout shards no data-parallel dimension (hybrid_shard_degree "
+                           "0 or >= 2 with data-parallel ranks): the model trains in fp32",
+                           s.config.half_precision)
         return set()
     mesh = data_parallel_mesh(s)
     policy = mixed_precision_policy(s.config)
