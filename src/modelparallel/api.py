@@ -71,8 +71,7 @@ class DistributedModel(nn.Module):
     placed by ``mp.partition`` / ``mp.set_partition``), and every rank keeps only its
     stage's parameters; then tensor parallelism, activation checkpointing
     (``set_activation_checkpointing``) and data parallelism apply to what the rank
-    holds. Call the model and
-    ``backward`` only inside a step function.
+    holds. Call the model and ``backward`` only inside a step function.
     """
 
     _instance: DistributedModel | None = None
@@ -154,8 +153,9 @@ class DistributedModel(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
         """Load a full (or this rank's) state dict; this rank takes what it holds."""
-        mine = {k: v for k, v in state_dict.items() if k in self.local_state_dict()}
-        missing = set(self.local_state_dict()) - set(mine)
+        held = self.local_state_dict()
+        mine = {k: v for k, v in state_dict.items() if k in held}
+        missing = set(held) - set(mine)
         if strict and missing:
             raise KeyError(f"state dict lacks {sorted(missing)} held by this rank")
         with torch.no_grad():
@@ -207,10 +207,7 @@ class DistributedModel(nn.Module):
                                   + [""])
                 self._finish_partition()
             results = [self._run_direct(mb, len(microbatches)) for mb in microbatches]
-            if torch.is_grad_enabled():
-                self._sync_gradients()
-            else:
-                self._reshard()
+            self._after_step()
             return results
         for mb in microbatches:
             kind, _ = mb.start()
@@ -237,10 +234,7 @@ class DistributedModel(nn.Module):
             with ScheduleRecorder(runner.stages, rank=pp_rank) as recorder:
                 results = runner.run(microbatches)
             self._events += recorder.events
-        if train:
-            self._sync_gradients()
-        else:
-            self._reshard()
+        self._after_step()
         return self._from_last_stage(results)
 
     def _run_direct(self, mb: Microbatch, count: int) -> Any:
@@ -378,9 +372,12 @@ class DistributedModel(nn.Module):
             replicas = [p for p in self.local_parameters() if id(p) not in self._fsdp]
             _all_reduce_grads(replicas, get_process_group(CommGroup.RDP_GROUP), 1 / rdp)
 
-    def _reshard(self) -> None:
-        """FSDP keeps a root unit's parameters gathered after forward, for the backward
-        that an evaluation step never runs: free them."""
+    def _after_step(self) -> None:
+        """Training: synchronize gradients. Evaluation: FSDP keeps a root unit's
+        parameters gathered after forward, for a backward that never comes; free them."""
+        if torch.is_grad_enabled():
+            self._sync_gradients()
+            return
         for module in self.module.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
