@@ -10,7 +10,7 @@ from torch.distributed._composable.contract import _get_registry
 import modelparallel as mp
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
-from modelparallel.testing import assert_parity, token_batches, train
+from modelparallel.testing import WorkerError, assert_parity, token_batches, train
 from modelparallel.testing.parity import TrainResult
 
 STEPS = 5
@@ -249,3 +249,23 @@ def test_half_precision_without_sharding_says_it_trains_in_fp32(workers):
     assert any(m.startswith("bf16=True takes effect through FSDP's mixed precision") and
                m.endswith("the model trains in fp32") for m in rank0)
     assert not any("bf16" in m for m in rank1)  # said once
+
+
+def no_backward_case():
+    mp.init({**PP2, "microbatches": 2})
+    model = mp.DistributedModel(gpt(4))
+    x, y = token_batches(1, GLOBAL_BATCH, SEQ, VOCAB)[0]
+
+    @mp.step
+    def forgets_backward(model, x, y):
+        return lm_loss(model(x), y)
+
+    forgets_backward(model, x, y)
+
+
+def test_a_training_step_without_backward_says_what_to_do(workers):
+    with pytest.raises(WorkerError) as err:
+        workers(2).run(no_backward_case)
+    assert ("the step function returned without calling model.backward(loss) while "
+            "gradients are enabled; call model.backward(loss), or run evaluation steps "
+            "under torch.no_grad()") in str(err.value)

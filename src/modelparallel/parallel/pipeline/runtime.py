@@ -184,10 +184,9 @@ class StageRunner:
             zero = torch.zeros((), device=marker.device)
             return sum((t.float().sum() * 0.0 for t in leaves), zero)
         mb = self.microbatches[i]
-        kind, value = mb.resume(("output", self.outputs.pop(i)))
+        kind, _ = mb.resume(("output", self.outputs.pop(i)))
         if kind == "backward":  # the rest of the step function runs after the schedule
             return mb.loss * mb.scale  # the mean over microbatches, as one process
-        mb.results = (kind, value)
         raise RuntimeError("the step function returned without calling model.backward(loss) "
                            "while gradients are enabled; call model.backward(loss), or run "
                            "evaluation steps under torch.no_grad()")
