@@ -6,7 +6,7 @@ Scripts written for the SageMaker model parallel library port by changing the im
     import modelparallel as tsm   # was: import torch.sagemaker as tsm
 """
 
-from modelparallel import data, observe
+from modelparallel import checkpoint, data, observe
 from modelparallel.api import (
     DistributedModel,
     DistributedOptimizer,
@@ -15,6 +15,7 @@ from modelparallel.api import (
     set_partition,
     step,
 )
+from modelparallel.checkpoint import CheckpointError, resume_from_checkpoint, save_checkpoint
 from modelparallel.comm import (
     DP_GROUP,
     MP_GROUP,
@@ -87,6 +88,7 @@ __all__ = [
     "RDP_GROUP",
     "TP_GROUP",
     "WORLD",
+    "CheckpointError",
     "CommGroup",
     "Config",
     "ConfigError",
@@ -101,6 +103,7 @@ __all__ = [
     "allgather",
     "barrier",
     "broadcast",
+    "checkpoint",
     "clip_grad_norm_",
     "data",
     "dp_barrier",
@@ -138,6 +141,8 @@ __all__ = [
     "recv_from",
     "replicate",
     "reset",
+    "resume_from_checkpoint",
+    "save_checkpoint",
     "send",
     "set_activation_checkpointing",
     "set_partition",

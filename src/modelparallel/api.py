@@ -101,6 +101,8 @@ class DistributedModel(nn.Module):
         self._fsdp: set[int] = set()   # ids of parameters FSDP manages
         self._replaced: dict[int, nn.Parameter] = {}  # old parameter id -> its DTensor
         self._events: list[Event] | None = None  # recorded by record_schedule()
+        # mp.resume_from_checkpoint before the split: loads once the rank knows its part
+        self._load_after_partition: Callable[[], None] | None = None
         DistributedModel._instance = self
 
     # -- SMP v1 methods ------------------------------------------------------------
@@ -384,6 +386,9 @@ class DistributedModel(nn.Module):
 
     def _finish_partition(self) -> None:
         self.partitioned = True
+        if self._load_after_partition is not None:
+            load, self._load_after_partition = self._load_after_partition, None
+            load()
         for hook in self._hooks:
             hook(self, DistributedOptimizer._instance)
 

@@ -107,6 +107,9 @@ class Config:
                                       "MASTER_PORT is used)", minimum=1, maximum=65535)
     ddp_dist_backend: str = _key("auto", "process group backend",
                                  choices=("auto", "nccl", "gloo"))
+    collective_timeout: float = _key(
+        600, "seconds a collective may wait for the other ranks before it fails with an "
+             "error (default group and every sub-group; must be > 0)", kind=(int, float))
     horovod: bool = _key(False, "TensorFlow/Horovod data parallelism")
     prescaled_batch: bool = _key(
         False, "ranks of one tensor-parallel group read the same batch (sample by rdp_rank); "
@@ -287,6 +290,10 @@ class Config:
             other = "fp16" if self.fp16 else "fp16_params"
             problems.append(("bf16", f"bf16=True cannot be combined with {other}=True; "
                                      "choose one half-precision type"))
+        # 0 would fail every collective at once; inf and nan do not fit a timedelta
+        if not 0 < self.collective_timeout < float("inf"):
+            problems.append(("collective_timeout", f"{self.collective_timeout!r} is out of "
+                                                   "range; must be > 0 and finite (seconds)"))
         stages = self.pipeline_parallel_degree * self.stages_per_rank
         if self.default_partition >= stages:
             problems.append(("default_partition",

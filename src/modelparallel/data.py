@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch.utils.data as tud
@@ -42,7 +43,8 @@ class DistributedSampler(tud.DistributedSampler):
     """``torch.utils.data.DistributedSampler`` over the data-parallel replicas.
 
     Every rank of one model replica gets the same indices; shuffling is seeded
-    (same permutation on every rank; call ``set_epoch`` each epoch).
+    (same permutation on every rank; call ``set_epoch`` each epoch). ``skip`` drops
+    that many indices from the start of the next pass (resuming mid-epoch).
     """
 
     def __init__(self, dataset: tud.Dataset, *, shuffle: bool = True, seed: int = 0,
@@ -50,6 +52,12 @@ class DistributedSampler(tud.DistributedSampler):
         rank, replicas = replica_rank_and_size()
         super().__init__(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,
                          seed=seed, drop_last=drop_last)
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(indices[skip:])
 
 
 class DataLoader(tud.DataLoader):
@@ -57,6 +65,9 @@ class DataLoader(tud.DataLoader):
 
     ``batch_size`` is per model replica. Checks up front that every batch splits into
     the configured ``microbatches`` (the last, partial one too unless ``drop_last``).
+    Its position (epoch and batches taken) is part of a checkpoint: pass it as
+    ``mp.save_checkpoint(..., data_loader=loader)`` and the resumed run goes on with
+    the next batch.
     """
 
     def __init__(self, dataset: tud.Dataset, batch_size: int, *, shuffle: bool = True,
@@ -70,7 +81,28 @@ class DataLoader(tud.DataLoader):
                                f"({len(sampler)} samples per replica, batch_size={batch_size})")
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                          **kwargs)
+        self.epoch = 0
+        self.batches_taken = 0  # in this epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for a new epoch (same order on every rank)."""
+        if epoch != self.epoch:
+            self.batches_taken = 0
+        self.epoch = epoch
         self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        self.sampler.skip = self.batches_taken * self.batch_size
+        for batch in super().__iter__():
+            self.batches_taken += 1
+            yield batch
+        self.batches_taken = 0  # a finished pass starts the next from the top
+
+    def state_dict(self) -> dict[str, int]:
+        """Where this loader is: its epoch and the batches taken in it."""
+        return {"epoch": self.epoch, "batches_taken": self.batches_taken}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Go on from a saved position: the next pass starts after the batches taken."""
+        self.set_epoch(state_dict["epoch"])
+        self.batches_taken = state_dict["batches_taken"]

@@ -67,6 +67,11 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     rank before any collective, so a bad config fails everywhere with the same
     :class:`~modelparallel.config.ConfigError`. Creates the default process group
     (gloo on CPU, nccl on CUDA) when the launcher has not.
+
+    Every process group gets ``timeout`` (default: the config's ``collective_timeout``
+    seconds). A default group that already exists keeps its own timeout, and the
+    sub-groups follow it, unless ``timeout`` is given or ``collective_timeout`` is set
+    to a value other than its default.
     """
     if state.initialized:
         raise RuntimeError("mp.init() was already called in this process; call mp.reset() "
@@ -82,9 +87,13 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        if timeout is None:
+            timeout = datetime.timedelta(seconds=cfg.collective_timeout)
         _init_default_group(cfg, use_cuda, timeout)
 
     mesh, meshes = _mesh_for(topology, device.type)
+    timeout, default_too = _group_timeout(cfg, timeout, device.type)
+    _set_timeouts(timeout, mesh, meshes, default_too)
     state.config, state.topology, state.device = cfg, topology, device
     state.mesh, state.meshes = mesh, meshes
     state.rank = dist.get_rank()
@@ -94,6 +103,9 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     from modelparallel.parallel import fsdp1  # FSDP1 scripts follow hybrid_shard_degree
 
     fsdp1.install()
+    from modelparallel.checkpoint import guard  # checkpoint calls counted afresh per init
+
+    guard.new_generation()
     if state.rank == 0:
         logger.info("modelparallel initialized: %s", topology.describe())
     return state
@@ -125,17 +137,54 @@ def _mesh_for(topology: Topology, device_type: str):
     return _MESHES[key]
 
 
-def _init_default_group(cfg: Config, use_cuda: bool,
-                        timeout: datetime.timedelta | None) -> None:
+def _init_default_group(cfg: Config, use_cuda: bool, timeout: datetime.timedelta) -> None:
     backend = cfg.ddp_dist_backend
     if backend == "auto":
         backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
-    kwargs: dict[str, Any] = {"backend": backend}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if "RANK" not in os.environ:  # a plain `python script.py`: one process, no launcher
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(**kwargs)
+
+
+def _group_timeout(cfg: Config, timeout: datetime.timedelta | None,
+                   device_type: str) -> tuple[datetime.timedelta, bool]:
+    """The timeout of the groups of this init, and whether the default group gets it too.
+
+    ``timeout`` or a ``collective_timeout`` other than the default wins; otherwise a
+    default group made by the user or a test harness keeps its timeout, and the mesh
+    groups follow it.
+    """
+    if timeout is not None:
+        return timeout, True
+    configured = datetime.timedelta(seconds=cfg.collective_timeout)
+    if cfg.collective_timeout != Config.__dataclass_fields__["collective_timeout"].default:
+        return configured, True
+    try:  # torch has no public getter; Backend.options._timeout is what new_group reads
+        backend = dist.group.WORLD._get_backend(torch.device(device_type))
+        return backend.options._timeout, False
+    except (RuntimeError, AttributeError):  # a backend that does not say
+        return configured, False
+
+
+def _set_timeouts(timeout: datetime.timedelta, mesh: Any, meshes: dict[str, Any],
+                  default_too: bool) -> None:
+    """Give every mesh group (and the default group if ``default_too``) ``timeout``.
+
+    DeviceMesh makes its sub-groups with torch's backend default (30 minutes for gloo,
+    10 for nccl), not the default group's timeout, so they are set here; the cached
+    mesh of an earlier init() gets this init's value too. ``ProcessGroup.set_timeout``
+    (gloo and nccl) applies to the collectives started after it.
+    """
+    groups = [*mesh.get_all_groups(), *(m.get_group() for m in meshes.values())]
+    if default_too:
+        groups.append(dist.group.WORLD)
+    for group in {id(g): g for g in groups}.values():
+        try:
+            group.set_timeout(timeout)
+        except RuntimeError as e:  # a backend without timeouts (e.g. a custom one)
+            logger.warning("cannot set the timeout of process group %s: %s",
+                           group.group_name, e)
 
 
 def _label_groups(meshes: dict[str, Any]) -> dict[str, str]:

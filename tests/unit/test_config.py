@@ -70,6 +70,7 @@ class TestDefaults:
         ("active_microbatches", None),
         ("bf16", False),
         ("fp16", False),
+        ("collective_timeout", 600),
     ])
     def test_default(self, key, default):
         value = getattr(load(), key)
@@ -310,6 +311,8 @@ class TestValueChecks:
         ("auto_partition", "yes", "'yes' has type str; expected bool"),
         ("memory_weight", True, "True has type bool; expected int or float"),
         ("memory_weight", "0.5", "'0.5' has type str; expected int or float"),
+        ("collective_timeout", "60", "'60' has type str; expected int or float"),
+        ("collective_timeout", True, "True has type bool; expected int or float"),
         ("pipeline", 1, "1 has type int; expected str"),
         ("tensor_parallel_degree", None, "must not be null; default is 1"),
     ])
@@ -410,6 +413,17 @@ class TestCombinations:
         msg = message_for(error_of({key: value}), key)
         assert msg.startswith(f"{value!r} is not supported yet")
         assert msg.endswith(f"valid value: {valid!r}")
+
+    @pytest.mark.parametrize("value", [0, 0.0, -5, float("inf"), float("nan")])
+    def test_collective_timeout_must_be_positive_and_finite(self, value):
+        msg = message_for(error_of({"collective_timeout": value}), "collective_timeout")
+        assert msg == f"{value!r} is out of range; must be > 0 and finite (seconds)"
+
+    @pytest.mark.parametrize("value", [0.5, 5, 7200])
+    def test_collective_timeout_accepts_seconds(self, value):
+        assert load({"collective_timeout": value}).collective_timeout == value
+        assert load(MP_CONFIG=json.dumps({"collective_timeout": value})).collective_timeout \
+            == value
 
     def test_several_type_problems_reported_together(self):
         err = error_of({"tensor_parallel_degree": 0, "pipeline": "foo", "ddp": 1,

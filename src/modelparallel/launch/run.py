@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import elastic_launch
 
 from modelparallel.config import load_config_file
+from modelparallel.launch.worker import COLLECTIVE_TIMEOUT
 
 LOOPBACK = "127.0.0.1"
 PREFIX = "[rank${rank}]: "
@@ -105,13 +107,50 @@ def run(opts: RunOptions) -> int:
     except ChildFailedError as e:
         print(failure_summary(e), file=sys.stderr, flush=True)
         _, first = first_failure(e)
-        return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode or 1)
+        code = exit_code(first)
+        return code if code > 0 else 128 + abs(code or 1)
     return 0
 
 
 def _stopped_by_launcher(failure: ProcessFailure) -> bool:
-    # torchrun's agent ends the still-running workers with SIGTERM once one has failed
-    return failure.exitcode == -signal.SIGTERM
+    # torchrun's agent ends the still-running workers with SIGTERM once one has failed;
+    # a rank that recorded its own error first was failing anyway
+    return failure.exitcode == -signal.SIGTERM and not _recorded_error(failure)
+
+
+def exit_code(failure: ProcessFailure) -> int:
+    """The rank's exit code; 1 for a rank the launcher stopped while it was exiting with
+    an error it had recorded (the worker wrapper exits with 1 right after)."""
+    if failure.exitcode == -signal.SIGTERM and _recorded_error(failure):
+        return 1
+    return failure.exitcode
+
+
+def _recorded_error(failure: ProcessFailure) -> bool:
+    """The worker wrapper wrote this rank's error file (torchrun fills in a placeholder
+    otherwise)."""
+    data = failure.error_file_data
+    return isinstance(data, dict) and isinstance(data.get("message"), dict)
+
+
+# gloo's words when a peer process ended (nccl's: "remote process exited")
+_PEER_GONE = re.compile(r"connection (closed|reset) by peer|remote process exited",
+                        re.IGNORECASE)
+
+
+def _error_message(failure: ProcessFailure) -> str:
+    """The error line the worker wrapper recorded (``Type: text``), else torchrun's."""
+    data = failure.error_file_data
+    msg = data.get("message") if isinstance(data, dict) else None
+    if isinstance(msg, dict) and isinstance(msg.get("message"), str):
+        return msg["message"]
+    return failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+
+
+def _reacted_to_another_rank(failure: ProcessFailure) -> bool:
+    """A peer closed its connection, or a collective timed out waiting for one."""
+    text = _error_message(failure)
+    return bool(_PEER_GONE.search(text) or COLLECTIVE_TIMEOUT.search(text))
 
 
 def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
@@ -119,10 +158,16 @@ def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
 
     torchrun orders failures by a timestamp in whole seconds and breaks ties by rank, so
     a rank it stopped with SIGTERM can come before the one that failed. Those are only
-    chosen when every rank was stopped that way.
+    chosen when every rank was stopped that way. Likewise a rank whose error only says
+    that another rank went away (its connection closed, a collective timed out) comes
+    after a rank that failed on its own: a rank that is SIGKILLed is often seen by the
+    launcher after its peer has already raised "Connection closed by peer".
     """
     return min(error.failures.items(),
-               key=lambda item: (_stopped_by_launcher(item[1]), item[1].timestamp, item[0]))
+               key=lambda item: (_stopped_by_launcher(item[1]),
+                                 _reacted_to_another_rank(item[1]),
+                                 exit_code(item[1]) != item[1].exitcode,  # ended by itself
+                                 item[1].timestamp, item[0]))
 
 
 def failure_summary(error: ChildFailedError, traceback_lines: int = 20) -> str:
@@ -130,13 +175,12 @@ def failure_summary(error: ChildFailedError, traceback_lines: int = 20) -> str:
     rank, first = first_failure(error)
     lines = ["", "=" * 72,
              f"modelparallel run: rank {rank} (local rank {first.local_rank}) failed first "
-             f"with {_describe_exit(first.exitcode)}"]
-    message = first.message if isinstance(first.message, str) else json.dumps(first.message)
+             f"with {_describe_exit(exit_code(first))}"]
+    message = _error_message(first)
     callstack = ""
     if isinstance(first.error_file_data, dict):
         msg = first.error_file_data.get("message")
         if isinstance(msg, dict):
-            message = msg.get("message", message)
             callstack = msg.get("extraInfo", {}).get("py_callstack", "")
     if message:
         lines.append(f"  error: {message.strip().splitlines()[-1] if message.strip() else ''}")

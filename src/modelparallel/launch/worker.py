@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import runpy
 import sys
 import time
 import traceback
+
+# What a collective that waited too long raises: gloo's RuntimeError ("Timed out waiting
+# 5000ms for recv operation to complete") and nccl's watchdog ("Watchdog caught
+# collective operation timeout: WorkNCCL(...) ran for 600042 milliseconds").
+COLLECTIVE_TIMEOUT = re.compile(r"timed out waiting \d+ ?ms for \w+ operation|"
+                                r"collective operation timeout", re.IGNORECASE)
 
 
 def _user_frames(error: BaseException, script: str):
@@ -23,6 +30,34 @@ def _user_frames(error: BaseException, script: str):
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != script:
         tb = tb.tb_next
     return tb or error.__traceback__
+
+
+def is_collective_timeout(error: BaseException | None) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a collective's timeout."""
+    # torch's backend error type, if the script imported torch.distributed; () matches none
+    backend_error = getattr(sys.modules.get("torch.distributed"), "DistBackendError", ())
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        if COLLECTIVE_TIMEOUT.search(text) or (
+                isinstance(error, backend_error) and re.search(r"time[ds]? ?out", text, re.I)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def timeout_hint() -> str:
+    """What to do about a collective timeout, with the configured timeout if known."""
+    setting = "collective_timeout"
+    state_module = sys.modules.get("modelparallel.state")  # never import torch just for this
+    config = getattr(getattr(state_module, "state", None), "config", None)
+    if config is not None:
+        setting += f"={config.collective_timeout:g}s"
+    return (f"hint: a collective waited longer than {setting}: another rank failed, was "
+            f"killed, or did not call the same collective; the launcher names the rank "
+            f"that failed first; raise collective_timeout in the config if the work "
+            f"between collectives is just slow")
 
 
 def write_error_file(error: BaseException, formatted: str) -> None:
@@ -47,12 +82,25 @@ def main() -> None:
     except SystemExit:
         raise
     except BaseException as error:
+        if is_collective_timeout(error):  # a note prints after the error line
+            error.add_note(timeout_hint())
         formatted = "".join(traceback.format_exception(
             type(error), error, _user_frames(error, script)))
         sys.stderr.write(formatted)
         sys.stderr.flush()
         write_error_file(error, formatted)
         sys.exit(1)
+    _close_process_groups()
+
+
+def _close_process_groups() -> None:
+    """Destroy the process groups a finished script left open: left to interpreter exit,
+    gloo's threads are sometimes torn down while running ("terminate called without an
+    active exception", SIGABRT) and a run that succeeded would fail."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,362 @@
+"""``mp.save_checkpoint`` / ``mp.resume_from_checkpoint``: resumable training checkpoints.
+
+A checkpoint is the directory ``PATH/TAG``:
+
+- ``checkpoint.json``: what it is (tag, step, sharded or full, layout, time);
+- ``sharded/``: model and optimizer as DCP shards (``partial=True``), or
+  ``model.safetensors`` (+ ``config.json`` for Hugging Face models) and
+  ``optimizer.safetensors`` (``partial=False``);
+- ``state.pt``: user content, LR scheduler, data loader position, optimizer settings;
+- ``rng/rank<N>.pt``: each rank's random number generators.
+
+It is written as ``PATH/.tmp-TAG-...``, renamed to ``PATH/TAG`` once every rank has
+finished, and only then named in ``PATH/newest``. A crash at any point leaves the
+previous checkpoints as they were; leftover temporary directories are removed by the
+next save. Everything is read back without unpickling arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as torch_dcp
+from torch import nn
+
+from modelparallel.checkpoint import full, guard, states
+from modelparallel.checkpoint.dcp import replace_directory, run_dcp, temporary_name
+from modelparallel.checkpoint.storage import (
+    CheckpointError,
+    Location,
+    SafeLoadPlanner,
+    reader_for,
+    writer_for,
+)
+from modelparallel.state import state
+
+logger = logging.getLogger("modelparallel")
+
+NEWEST = "newest"
+MANIFEST = "checkpoint.json"
+SHARDED = "sharded"
+SMALL_STATE = "state.pt"
+FORMAT = "modelparallel-checkpoint/1"
+
+
+def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
+                    model: nn.Module | None = None, optimizer: Any = None,
+                    user_content: Any = None, num_kept_partial_checkpoints: int | None = None,
+                    translate_if_full: bool = True, *, lr_scheduler: Any = None,
+                    data_loader: Any = None, step: int | None = None) -> None:
+    """Save a resumable checkpoint as ``path/tag`` and make it the newest. Collective.
+
+    ``partial=True``: each rank writes what it holds (DCP); loads under any layout.
+    ``partial=False``: rank 0 writes the whole model as safetensors (and the optimizer);
+    a Hugging Face model's directory loads with ``from_pretrained``. ``model`` and
+    ``optimizer`` default to the ``DistributedModel`` / ``DistributedOptimizer``.
+    ``user_content`` (tensors, numbers, strings, lists, dicts) comes back from
+    :func:`resume_from_checkpoint`; so do ``lr_scheduler``, ``data_loader`` (its
+    position) and ``step`` (see :func:`info`). ``num_kept_partial_checkpoints`` keeps
+    only the newest N checkpoints under ``path``. ``translate_if_full`` is accepted for
+    SMP compatibility (names are always the single-device model's).
+    """
+    s = state.require("mp.save_checkpoint")
+    _check_tag(tag)
+    guard.check_every_rank_calls(f"save_checkpoint({os.fspath(path)!r}, tag={tag!r})")
+    module, optim, dm = states.unwrap(*_defaults(model, optimizer))
+    small = {"user_content": user_content, "step": step,
+             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+             "data_loader": _loader_state(data_loader)}
+    small_bytes = states.check_safe("user_content", small)  # fail before writing anything
+    location = Location(path)
+    _on_rank0(lambda: (location.writable(), _remove_leftovers(location)))
+    tmp = temporary_name(tag)
+    rank = dist.get_rank()
+    location.write_bytes(states.check_safe("rng", states.rng_state()), tmp, "rng",
+                         f"rank{rank}.pt")
+    manifest = {"format": FORMAT, "tag": tag, "partial": partial, "step": step,
+                "world_size": dist.get_world_size(), "layout": s.topology.describe(),
+                "model": module is not None, "optimizer": optim is not None}
+    if partial:
+        sd: dict[str, Any] = {}
+        if module is not None:
+            sd["model"] = states.model_state(module, dm)
+        if optim is not None:
+            sd["optimizer"] = states.optimizer_state(module, optim)
+        run_dcp(torch_dcp.save, sd, storage_writer=writer_for(location.url(tmp, SHARDED)),
+                context=f"writing checkpoint {location.url(tag)} failed")
+    else:
+        model_sd, optim_sd = full.gather(module, optim, dm) if module is not None else ({}, {})
+        if rank == 0 and module is not None:
+            written = full.write(location, tmp, module, model_sd, optim_sd)
+            manifest["tied"] = written["tied"]
+            small["optimizer_values"] = written["optimizer_values"]
+            small_bytes = states.check_safe("optimizer settings", small)
+
+    def commit() -> None:
+        location.write_bytes(small_bytes, tmp, SMALL_STATE)
+        manifest["saved_at"] = time.time()
+        location.write_json(manifest, tmp, MANIFEST)
+        replace_directory(location, tmp, tag)
+        location.write_atomically(tag, NEWEST)
+        _rotate(location, num_kept_partial_checkpoints, keep=tag)
+
+    _on_rank0(commit)  # after DCP's save: every rank's shards are written
+    if rank == 0:
+        logger.info("checkpoint %s saved (%s)", location.url(tag),
+                    "sharded" if partial else "full")
+
+
+def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
+                           partial: bool = True, strict: bool = True,
+                           load_optimizer: bool = True, *, model: nn.Module | None = None,
+                           optimizer: Any = None, lr_scheduler: Any = None,
+                           data_loader: Any = None, **_smp_options: Any) -> Any:
+    """Load ``path/tag`` (default: the newest) and return its ``user_content``. Collective.
+
+    A sharded checkpoint loads under any layout (world size, sharding, tensor and
+    pipeline parallelism): each rank reads the pieces it now holds. The model and
+    optimizer default to the ``DistributedModel`` / ``DistributedOptimizer``; for a
+    ``DistributedModel`` that has not been split yet, they are loaded right after the
+    split at the first step (as SMP does). Random generators are restored when the
+    world size is the same. ``partial`` is accepted for SMP compatibility; the
+    checkpoint itself says how it was saved.
+    """
+    state.require("mp.resume_from_checkpoint")
+    guard.check_every_rank_calls(f"resume_from_checkpoint({os.fspath(path)!r}, tag={tag!r})")
+    location = Location(path)
+    tag = tag if tag is not None else newest(path, required=True)
+    manifest = _manifest(location, tag)
+    small = states.load_safe(_read(location, tag, SMALL_STATE))
+    model, optimizer = _defaults(model, optimizer)
+    if not load_optimizer:
+        optimizer = None
+    module, optim, dm = states.unwrap(model, optimizer)
+    if optim is not None and not manifest["optimizer"]:
+        raise CheckpointError(f"{location.url(tag)} was saved without an optimizer; pass "
+                              f"load_optimizer=False to load only the model")
+
+    def load_model_and_optimizer() -> None:
+        module, optim, dm = states.unwrap(model, optimizer)  # after the split: what it holds
+        if manifest["partial"]:
+            _load_sharded(location, tag, module, optim, dm, strict)
+        else:
+            _load_full(location, tag, manifest, small, module, optim, dm, strict)
+
+    if module is not None and manifest["model"]:
+        if dm is not None and not dm.partitioned:
+            dm._load_after_partition = load_model_and_optimizer
+        else:
+            load_model_and_optimizer()
+    if lr_scheduler is not None and small["lr_scheduler"] is not None:
+        lr_scheduler.load_state_dict(small["lr_scheduler"])
+    if data_loader is not None and small["data_loader"] is not None:
+        data_loader.load_state_dict(small["data_loader"])
+    _restore_rng(location, tag, manifest)
+    if dist.get_rank() == 0:
+        logger.info("resumed from checkpoint %s (step %s)", location.url(tag), manifest["step"])
+    return small["user_content"]
+
+
+def newest(path: str | os.PathLike, *, required: bool = False) -> str | None:
+    """The tag of the newest complete checkpoint under ``path``, or None if there is none
+    (a CheckpointError instead when ``required``)."""
+    location = Location(path)
+    if not location.exists(NEWEST):
+        if required:
+            raise CheckpointError(f"no checkpoint to resume from at {os.fspath(path)!r}: it has "
+                                  f"no '{NEWEST}' file (no checkpoint was completed there); "
+                                  f"check the path, or start from scratch")
+        return None
+    tag = location.read_text(NEWEST).strip()
+    if not location.exists(tag, MANIFEST):
+        what = "is incomplete" if location.exists(tag) else "does not exist"
+        raise CheckpointError(f"{location.url(NEWEST)} names checkpoint {tag!r}, but "
+                              f"{location.url(tag)} {what}; pass tag= one of "
+                              f"{committed_tags(location) or 'none'}, or "
+                              f"remove the '{NEWEST}' file to start from scratch")
+    return tag
+
+
+def info(path: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+    """What ``path/tag`` (default: the newest) records: tag, step, partial, world_size,
+    layout, saved_at."""
+    return _manifest(Location(path), tag if tag is not None else newest(path, required=True))
+
+
+def committed_tags(location: Location) -> list[str]:
+    """Complete checkpoints under ``location``, oldest first."""
+    found = []
+    for name in location.children():
+        if not name.startswith(".") and name != NEWEST and location.exists(name, MANIFEST):
+            try:
+                found.append((location.read_json(name, MANIFEST)["saved_at"], name))
+            except (ValueError, KeyError):
+                continue
+    return [name for _, name in sorted(found)]
+
+
+# -- helpers -------------------------------------------------------------------------
+def _defaults(model, optimizer):
+    from modelparallel.api import DistributedModel, DistributedOptimizer
+
+    if model is None:
+        model = DistributedModel._instance if DistributedModel._instance is not None and \
+            DistributedModel._instance._config is state.config else None
+    if optimizer is None and model is not None and isinstance(model, DistributedModel):
+        optimizer = DistributedOptimizer._instance
+    return model, optimizer
+
+
+def _check_tag(tag: str) -> None:
+    if not isinstance(tag, str) or not tag or "/" in tag or "\\" in tag or \
+            tag.startswith(".") or tag == NEWEST:
+        raise CheckpointError(f"checkpoint tag {tag!r} must be a non-empty name without '/' "
+                              f"that does not start with '.' and is not '{NEWEST}'")
+
+
+def _loader_state(data_loader) -> Any:
+    if data_loader is None:
+        return None
+    if not hasattr(data_loader, "state_dict"):
+        raise CheckpointError(f"data_loader={type(data_loader).__name__} has no state_dict(); "
+                              f"use mp.data.DataLoader (which records its position) or a "
+                              f"stateful loader such as torchdata's StatefulDataLoader")
+    return data_loader.state_dict()
+
+
+def _on_rank0(fn) -> None:
+    """Run ``fn`` on rank 0; its error is raised on every rank."""
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except CheckpointError as e:
+            error[0] = str(e)
+        except Exception as e:
+            error[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise CheckpointError(error[0] if dist.get_rank() == 0 else f"on rank 0: {error[0]}")
+
+
+def _remove_leftovers(location: Location) -> None:
+    """Temporary directories of saves that never finished (every rank is here now)."""
+    for name in location.children():
+        if name.startswith((".tmp-", ".old-")):
+            location.remove(name)
+
+
+def _rotate(location: Location, keep_last: int | None, keep: str) -> None:
+    if not keep_last:
+        return
+    tags = committed_tags(location)
+    for old in tags[:max(0, len(tags) - keep_last)]:
+        if old != keep:
+            location.remove(old)
+
+
+def _read(location: Location, tag: str, name: str) -> bytes:
+    try:
+        return location.read_bytes(tag, name)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{location.url(tag, name)} is missing; the checkpoint is "
+                              f"incomplete") from e
+
+
+def _manifest(location: Location, tag: str) -> dict[str, Any]:
+    if not location.exists(tag):
+        raise CheckpointError(f"checkpoint {location.url(tag)} does not exist; complete "
+                              f"checkpoints there: {committed_tags(location) or 'none'}")
+    try:
+        manifest = location.read_json(tag, MANIFEST)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{location.url(tag)} is not a complete checkpoint (no "
+                              f"{MANIFEST})") from e
+    except ValueError as e:
+        raise CheckpointError(f"{location.url(tag, MANIFEST)} is damaged: {e}") from e
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{location.url(tag)} is not a modelparallel checkpoint "
+                              f"(format {manifest.get('format')!r})")
+    return manifest
+
+
+def _agree(problem: str | None) -> None:
+    """Raise on every rank when any rank found a problem (so none enters a collective)."""
+    problems: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next(((r, p) for r, p in enumerate(problems) if p), None)
+    if first:
+        raise CheckpointError(first[1] if first[0] == dist.get_rank()
+                              else f"on rank {first[0]}: {first[1]}")
+
+
+def _load_sharded(location: Location, tag: str, module, optim, dm, strict: bool) -> None:
+    url = location.url(tag, SHARDED)
+    sd: dict[str, Any] = {"model": states.model_state(module, dm)}
+    if optim is not None:
+        sd["optimizer"] = states.optimizer_state(module, optim)
+    problem = None
+    try:
+        metadata = reader_for(url).read_metadata()
+        saved = {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
+                 if hasattr(m, "size")}
+        split = dm is not None and dm._pp > 1
+        for part in sd:
+            wanted = {f"{part}.{k}": v for k, v in states.global_shapes(sd[part]).items()}
+            have = {k: v for k, v in saved.items() if k.startswith(f"{part}.")}
+            if split:  # this rank holds one pipeline stage: other names are expected
+                have = {k: v for k, v in have.items() if k in wanted}
+            mismatch = states.describe_mismatch(part, have, wanted)
+            if mismatch and (strict or part == "optimizer" or "shape" in mismatch):
+                problem = f"checkpoint {location.url(tag)} does not fit: {mismatch}"
+                break
+    except CheckpointError as e:
+        problem = str(e)
+    _agree(problem)
+    run_dcp(torch_dcp.load, sd, storage_reader=reader_for(url),
+            context=f"reading checkpoint {location.url(tag)} failed: its files are truncated "
+                    f"or damaged; resume from another tag (complete ones: "
+                    f"{committed_tags(location)})",
+            planner=SafeLoadPlanner(allow_partial_load=not strict))
+    states.set_model_state(module, sd["model"], strict=strict and dm is None)
+    if optim is not None:
+        states.set_optimizer_state(module, optim, sd["optimizer"])
+
+
+def _load_full(location: Location, tag: str, manifest, small, module, optim, dm,
+               strict: bool) -> None:
+    problem = None
+    template = states.model_state(module, dm)
+    try:
+        model_sd = full.read_model(location, tag, manifest)
+        have, wanted = states.global_shapes(model_sd), states.global_shapes(template)
+        if dm is not None and dm._pp > 1:
+            have = {k: v for k, v in have.items() if k in wanted}
+        mismatch = states.describe_mismatch("model", have, wanted)
+        if mismatch and (strict or "shape" in mismatch):
+            problem = f"checkpoint {location.url(tag)} does not fit: {mismatch}"
+        optim_sd = full.read_optimizer(location, tag, small) if optim is not None else None
+    except CheckpointError as e:
+        problem = str(e)
+    _agree(problem)
+    template = {k: v for k, v in template.items() if k in model_sd}
+    states.set_model_state(module, states.shard_like(template, model_sd, "model"),
+                           strict=strict and dm is None)
+    if optim is not None:
+        states.set_optimizer_state(module, optim, states.shard_like(
+            states.optimizer_state(module, optim), optim_sd, "optimizer"))
+
+
+def _restore_rng(location: Location, tag: str, manifest: dict[str, Any]) -> None:
+    rank = dist.get_rank()
+    if manifest["world_size"] != dist.get_world_size():
+        if rank == 0:
+            logger.warning("random generator states not restored: the checkpoint was saved "
+                           "by %d ranks, this run has %d", manifest["world_size"],
+                           dist.get_world_size())
+        return
+    states.set_rng_state(states.load_safe(_read(location, tag, f"rng/rank{rank}.pt")))

@@ -1,0 +1,172 @@
+"""What a resumable checkpoint holds, taken from and given back to the training objects.
+
+Model and optimizer state go through ``torch.distributed.checkpoint.state_dict``, keyed by
+the single-device model's parameter names, with the optimizer flattened per parameter
+(``state.<name>.<key>``, ``param_groups.<name>.<key>``): those keys mean the same under
+every layout, which is what lets DCP reshard between layouts and pipeline splits.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import re
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from modelparallel.checkpoint.storage import CheckpointError
+from modelparallel.parallel.placement import is_meta
+
+
+def unwrap(model: nn.Module | None, optimizer: Any) -> tuple[nn.Module | None, Any, Any]:
+    """(module to take state from, torch optimizer, DistributedModel or None)."""
+    from modelparallel.api import DistributedModel, DistributedOptimizer
+
+    dm = model if isinstance(model, DistributedModel) else None
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer._filter()
+        optimizer = optimizer.optimizer
+    if optimizer is not None and model is None:
+        raise CheckpointError("an optimizer's state is saved by parameter name: pass the "
+                              "model too (model=...)")
+    return (dm.module if dm is not None else model), optimizer, dm
+
+
+def _options(full: bool, strict: bool = True) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=full, cpu_offload=full, strict=strict,
+                            flatten_optimizer_state_dict=True)
+
+
+def model_state(module: nn.Module, dm: Any = None, *, full: bool = False) -> dict[str, Any]:
+    """The model's state dict: sharded (DTensors, for DCP) or full (on rank 0, CPU).
+
+    Of a pipeline-split DistributedModel, only what this rank holds (other stages'
+    parameters are meta tensors here)."""
+    sd = get_model_state_dict(module, options=_options(full))
+    return {k: v for k, v in sd.items() if not is_meta(v)} if dm is not None else sd
+
+
+def optimizer_state(module: nn.Module, optimizer: Any, *, full: bool = False,
+                    every_rank: bool = False) -> dict[str, Any]:
+    """The optimizer's flattened state dict: sharded, or full on rank 0 (on every rank of
+    this rank's data/tensor-parallel groups with ``every_rank``), on CPU."""
+    options = _options(full)
+    if every_rank:
+        options.cpu_offload = False
+        sd = get_optimizer_state_dict(module, optimizer, options=options)
+        return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    return get_optimizer_state_dict(module, optimizer, options=options)
+
+
+def set_model_state(module: nn.Module, sd: dict[str, Any], *, full: bool = False,
+                    strict: bool = True) -> None:
+    set_model_state_dict(module, sd, options=_options(full, strict))
+
+
+def set_optimizer_state(module: nn.Module, optimizer: Any, sd: dict[str, Any]) -> None:
+    set_optimizer_state_dict(module, optimizer, sd, options=_options(False))
+
+
+def shard_like(template: dict[str, Any], full: dict[str, Any], what: str) -> dict[str, Any]:
+    """``full`` (every tensor whole, on every rank) cut into this rank's parts, as the
+    DTensors of ``template`` are placed. No communication: each rank keeps its slice.
+
+    (torch's own full-state loading scatters from rank 0, which desynchronized ranks
+    here, and it cannot take the flattened optimizer form that pipeline splits need.)"""
+    sd = {}
+    for key, value in template.items():
+        if key not in full:
+            raise CheckpointError(f"the checkpoint's {what} state has no {key!r}")
+        saved = full[key]
+        if isinstance(value, DTensor):
+            saved = distribute_tensor(saved.reshape(value.shape).to(value.device),
+                                      value.device_mesh, value.placements, src_data_rank=None)
+        elif isinstance(value, torch.Tensor):
+            saved = saved.reshape(value.shape).to(value.device)
+        sd[key] = saved
+    return sd
+
+
+def global_shapes(sd: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Name -> full shape of every tensor entry (a DTensor's global shape)."""
+    return {k: tuple(v.shape) for k, v in sd.items()
+            if isinstance(v, torch.Tensor | DTensor)}
+
+
+def describe_mismatch(what: str, saved: dict[str, tuple], wanted: dict[str, tuple],
+                      limit: int = 5) -> str | None:
+    """The first differences between a checkpoint's and the model's names and shapes."""
+    missing = sorted(set(wanted) - set(saved))
+    extra = sorted(set(saved) - set(wanted))
+    shapes = sorted(k for k in set(saved) & set(wanted) if tuple(saved[k]) != tuple(wanted[k]))
+    if not (missing or extra or shapes):
+        return None
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} name(s) of the {what} are not in the checkpoint: "
+                     f"{', '.join(missing[:limit])}{' ...' if len(missing) > limit else ''}")
+    if extra:
+        parts.append(f"{len(extra)} name(s) in the checkpoint are not in the {what}: "
+                     f"{', '.join(extra[:limit])}{' ...' if len(extra) > limit else ''}")
+    if shapes:
+        parts.append(f"{len(shapes)} shape(s) differ: " + ", ".join(
+            f"{k} (checkpoint {list(saved[k])}, {what} {list(wanted[k])})"
+            for k in shapes[:limit]))
+    return "; ".join(parts)
+
+
+# -- small state: same on every rank (rank 0 writes it) ------------------------------
+def check_safe(name: str, obj: Any) -> bytes:
+    """``obj`` serialized so that ``torch.load(weights_only=True)`` can read it back."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise CheckpointError(
+            f"{name} must be made of tensors, numbers, strings, None, lists, tuples and "
+            f"dicts, because checkpoints are loaded without unpickling arbitrary objects; "
+            f"it holds {found.group(1) if found else str(e).splitlines()[0]}. Convert "
+            f"that to one of those types") from e
+    return buffer.getvalue()
+
+
+def load_safe(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+# -- random number generators: one state per rank -------------------------------------
+def rng_state() -> dict[str, Any]:
+    """Python's, NumPy's, torch's CPU and (if any) CUDA generators' states."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": {"version": version, "state": torch.tensor(internal), "gauss": gauss},
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
