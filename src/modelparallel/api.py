@@ -411,6 +411,9 @@ class DistributedModel(nn.Module):
 def _all_reduce_grads(params: list[nn.Parameter], group, scale: float = 1.0) -> None:
     """Sum (times ``scale``) this rank's part of the parameters' gradients over ``group``,
     as one flat tensor."""
+    for p in params:  # e.g. a vocab-parallel embedding's gradient comes back replicated
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
     grads = [compose.local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return

@@ -113,6 +113,7 @@ CASES = [
     (4, {**PP2, "microbatches": 2, "hybrid_shard_degree": 2}, {}),  # pp 2 x FSDP 2
     (4, {**PP2, "microbatches": 2, "hybrid_shard_degree": 2}, {"tied": True}),
     (4, {**PP2, "microbatches": 2, "tensor_parallel_degree": 2}, {}),
+    (4, {**PP2, "microbatches": 2, "tensor_parallel_degree": 2}, {"tied": True}),
     (8, {**PP2, "microbatches": 2, "hybrid_shard_degree": 2}, {}),  # pp 2 x (2 x 2 HSDP)
     (8, {**PP2, "microbatches": 2, "tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, {}),
     (8, {**PP2, "microbatches": 2, "tensor_parallel_degree": 2, "hybrid_shard_degree": 2},

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -40,3 +41,15 @@ def modelparallel(clean_env):
         return Ran(proc, time.monotonic() - start)
 
     return run
+
+
+@pytest.fixture
+def script(tmp_path):
+    """Write a script (dedented) into the test's directory; returns its path."""
+
+    def write(body: str, name: str = "train.py"):
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(body))
+        return path
+
+    return write

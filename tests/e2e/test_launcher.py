@@ -4,19 +4,6 @@ import re
 import socket
 import subprocess
 import sys
-import textwrap
-
-import pytest
-
-
-@pytest.fixture
-def script(tmp_path):
-    def write(body: str, name: str = "train.py"):
-        path = tmp_path / name
-        path.write_text(textwrap.dedent(body))
-        return path
-
-    return write
 
 
 def test_runs_every_rank_with_prefixed_output_and_arguments(modelparallel, script):

@@ -8,7 +8,6 @@ last tests check the pure logic behind the messages (no processes).
 import json
 import re
 import signal
-import textwrap
 import time
 
 import pytest
@@ -30,16 +29,6 @@ GLOO_PEER_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/p
                     "Connection closed by peer [127.0.0.1]:49856. This is typically caused by "
                     "a remote worker crashing. Check the logs of the remote worker before "
                     "reporting an error.")
-
-
-@pytest.fixture
-def script(tmp_path):
-    def write(body: str, name: str = "train.py"):
-        path = tmp_path / name
-        path.write_text(textwrap.dedent(body))
-        return path
-
-    return write
 
 
 def summary_of(ran) -> str:
