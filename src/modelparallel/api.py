@@ -357,7 +357,7 @@ class DistributedModel(nn.Module):
         shared = []
         for holders, names in by_ranks.items():
             for ranks in s.topology.all_groups(CommGroup.PP_GROUP):  # every rank, same order
-                group = dist.new_group([ranks[i] for i in holders])
+                group = dist.new_group([ranks[i] for i in holders], timeout=s.collective_timeout)
                 if s.rank in ranks and s.topology.coordinate(s.rank)["pp"] in holders:
                     shared.append((group, names))
         return shared

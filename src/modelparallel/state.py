@@ -41,6 +41,12 @@ class State:
     def initialized(self) -> bool:
         return self.config is not None
 
+    @property
+    def collective_timeout(self) -> datetime.timedelta:
+        """The configured ``collective_timeout``, for process groups made after init."""
+        return datetime.timedelta(seconds=self.require("collective_timeout").config
+                                  .collective_timeout)
+
     def require(self, what: str = "this") -> State:
         if not self.initialized:
             raise NotInitializedError(what)

@@ -21,6 +21,7 @@ from modelparallel.checkpoint.storage import (
     reader_for,
     writer_for,
 )
+from modelparallel.state import state
 
 
 def _world(process_group) -> bool:
@@ -129,7 +130,8 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike,
         key = process_group or dist.group.WORLD
         if key not in _async_groups:
             ranks = dist.get_process_group_ranks(key)
-            _async_groups[key] = dist.new_group(ranks, backend="gloo")
+            _async_groups[key] = dist.new_group(ranks, backend="gloo",
+                                                timeout=state.collective_timeout)
         group = _async_groups[key]
     location, name = _split(checkpoint_id)
     tmp = temporary_name(name, process_group)
