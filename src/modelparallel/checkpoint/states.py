@@ -134,7 +134,7 @@ def check_safe(name: str, obj: Any) -> bytes:
         torch.save(obj, buffer)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL (\S+)", str(e))
         raise CheckpointError(
             f"{name} must be made of tensors, numbers, strings, None, lists, tuples and "
             f"dicts, because checkpoints are loaded without unpickling arbitrary objects; "

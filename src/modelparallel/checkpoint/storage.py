@@ -122,8 +122,8 @@ def _replaces_atomically(fs) -> bool:
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
 _ALLOWED = {("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"),
             ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-            ("torch._utils", "_rebuild_tensor_v2"), ("torch.serialization", "_get_layout"),
-            ("enum", "Enum"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+            ("torch.serialization", "_get_layout"),  # looks up a torch.layout by name
+            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
             ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
 
 
@@ -132,12 +132,17 @@ class _MetadataUnpickler(pickle.Unpickler):
     else (no functions, no arbitrary classes)."""
 
     def find_class(self, module: str, name: str):
-        obj = super().find_class(module, name)
-        if module.startswith(_ALLOWED_MODULES) and isinstance(obj, type):
-            return obj
-        if (module, name) in _ALLOWED or isinstance(obj, torch.dtype | torch.layout
-                                                    | torch.memory_format):
-            return obj
+        # decide by name first: looking a class up imports its module, which runs code
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module.startswith(_ALLOWED_MODULES):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
+        elif module == "torch":
+            obj = getattr(torch, name, None)
+            if isinstance(obj, torch.dtype | torch.layout | torch.memory_format):
+                return obj
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a checkpoint's "
                                      f"metadata (only checkpoint metadata types are allowed)")
 
