@@ -104,7 +104,8 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
         location.write_atomically(tag, NEWEST)
         _rotate(location, num_kept_partial_checkpoints, keep=tag)
 
-    _on_rank0(commit)  # after DCP's save: every rank's shards are written
+    dist.barrier()  # every rank's files are written (with no model, nothing else waits)
+    _on_rank0(commit)
     if rank == 0:
         logger.info("checkpoint %s saved (%s)", location.url(tag),
                     "sharded" if partial else "full")
