@@ -35,17 +35,36 @@ def _split(checkpoint_id: str | os.PathLike) -> tuple[Location, str]:
     return Location(parent), name
 
 
+def _coordinator(process_group) -> int:
+    """Global rank of the group's first rank (DCP's coordinator)."""
+    return dist.get_global_rank(process_group, 0) if process_group is not None else 0
+
+
 def temporary_name(name: str, process_group=None) -> str:
     """A hidden name next to ``name`` to write into, the same on every rank."""
     stamp = [f"{time.time_ns():x}-{os.getpid()}"]
     if dist.is_initialized():
-        dist.broadcast_object_list(stamp, src=dist.get_global_rank(process_group, 0)
-                                   if process_group is not None else 0, group=process_group)
+        dist.broadcast_object_list(stamp, src=_coordinator(process_group), group=process_group)
     return f".tmp-{name}-{stamp[0]}"
 
 
-def _is_coordinator(process_group) -> bool:
-    return not dist.is_initialized() or dist.get_rank(process_group) == 0
+def on_coordinator(fn, process_group=None, no_dist: bool = False) -> None:
+    """Run ``fn`` on the group's first rank; its error is raised on every rank."""
+    error = [None]
+    if no_dist or not dist.is_initialized() or dist.get_rank(process_group) == 0:
+        try:
+            fn()
+        except CheckpointError as e:
+            error[0] = str(e)
+        except Exception as e:
+            error[0] = f"{type(e).__name__}: {e}"
+    distributed = dist.is_initialized() and not no_dist
+    if distributed:
+        dist.broadcast_object_list(error, src=_coordinator(process_group), group=process_group)
+    if error[0]:
+        first = not distributed or dist.get_rank(process_group) == 0
+        raise CheckpointError(error[0] if first else
+                              f"on rank {_coordinator(process_group)}: {error[0]}")
 
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike,
@@ -72,17 +91,13 @@ def commit_directory(location: Location, tmp: str, name: str, process_group=None
                      no_dist: bool = False) -> None:
     """Rename ``tmp`` to ``name`` on the coordinator (replacing an older ``name``), then
     let every rank go on."""
-    error = [None]
-    if no_dist or _is_coordinator(process_group):
+    def commit() -> None:
         try:
             replace_directory(location, tmp, name)
         except Exception as e:
-            error[0] = f"committing {location.url(name)} failed: {e}"
-    if dist.is_initialized() and not no_dist:
-        dist.broadcast_object_list(error, src=dist.get_global_rank(process_group, 0)
-                                   if process_group is not None else 0, group=process_group)
-    if error[0]:
-        raise CheckpointError(error[0])
+            raise CheckpointError(f"committing {location.url(name)} failed: {e}") from e
+
+    on_coordinator(commit, process_group, no_dist)
 
 
 def replace_directory(location: Location, tmp: str, name: str) -> None:

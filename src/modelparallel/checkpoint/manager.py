@@ -27,7 +27,12 @@ import torch.distributed.checkpoint as torch_dcp
 from torch import nn
 
 from modelparallel.checkpoint import full, guard, states
-from modelparallel.checkpoint.dcp import replace_directory, run_dcp, temporary_name
+from modelparallel.checkpoint.dcp import (
+    on_coordinator,
+    replace_directory,
+    run_dcp,
+    temporary_name,
+)
 from modelparallel.checkpoint.storage import (
     CheckpointError,
     Location,
@@ -72,7 +77,7 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
              "data_loader": _loader_state(data_loader)}
     small_bytes = states.check_safe("user_content", small)  # fail before writing anything
     location = Location(path)
-    _on_rank0(lambda: (location.writable(), _remove_leftovers(location)))
+    on_coordinator(lambda: (location.writable(), _remove_leftovers(location)))
     tmp = temporary_name(tag)
     rank = dist.get_rank()
     location.write_bytes(states.check_safe("rng", states.rng_state()), tmp, "rng",
@@ -105,7 +110,7 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
         _rotate(location, num_kept_partial_checkpoints, keep=tag)
 
     dist.barrier()  # every rank's files are written (with no model, nothing else waits)
-    _on_rank0(commit)
+    on_coordinator(commit)
     if rank == 0:
         logger.info("checkpoint %s saved (%s)", location.url(tag),
                     "sharded" if partial else "full")
@@ -229,21 +234,6 @@ def _loader_state(data_loader) -> Any:
     return data_loader.state_dict()
 
 
-def _on_rank0(fn) -> None:
-    """Run ``fn`` on rank 0; its error is raised on every rank."""
-    error = [None]
-    if dist.get_rank() == 0:
-        try:
-            fn()
-        except CheckpointError as e:
-            error[0] = str(e)
-        except Exception as e:
-            error[0] = f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise CheckpointError(error[0] if dist.get_rank() == 0 else f"on rank 0: {error[0]}")
-
-
 def _remove_leftovers(location: Location) -> None:
     """Temporary directories of saves that never finished (every rank is here now)."""
     for name in location.children():
@@ -295,6 +285,11 @@ def _agree(problem: str | None) -> None:
                               else f"on rank {first[0]}: {first[1]}")
 
 
+def _split(dm) -> bool:
+    """Whether this rank holds only its pipeline stage's part of the model."""
+    return dm is not None and dm._pp > 1
+
+
 def _load_sharded(location: Location, tag: str, module, optim, dm, strict: bool) -> None:
     url = location.url(tag, SHARDED)
     sd: dict[str, Any] = {"model": states.model_state(module, dm)}
@@ -305,14 +300,12 @@ def _load_sharded(location: Location, tag: str, module, optim, dm, strict: bool)
         metadata = reader_for(url).read_metadata()
         saved = {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
                  if hasattr(m, "size")}
-        split = dm is not None and dm._pp > 1
         for part in sd:
             wanted = {f"{part}.{k}": v for k, v in states.global_shapes(sd[part]).items()}
             have = {k: v for k, v in saved.items() if k.startswith(f"{part}.")}
-            if split:  # this rank holds one pipeline stage: other names are expected
-                have = {k: v for k, v in have.items() if k in wanted}
-            mismatch = states.describe_mismatch(part, have, wanted)
-            if mismatch and (strict or part == "optimizer" or "shape" in mismatch):
+            mismatch = states.describe_mismatch(part, have, wanted, split=_split(dm),
+                                                strict=strict or part == "optimizer")
+            if mismatch:
                 problem = f"checkpoint {location.url(tag)} does not fit: {mismatch}"
                 break
     except CheckpointError as e:
@@ -334,11 +327,10 @@ def _load_full(location: Location, tag: str, manifest, small, module, optim, dm,
     template = states.model_state(module, dm)
     try:
         model_sd = full.read_model(location, tag, manifest)
-        have, wanted = states.global_shapes(model_sd), states.global_shapes(template)
-        if dm is not None and dm._pp > 1:
-            have = {k: v for k, v in have.items() if k in wanted}
-        mismatch = states.describe_mismatch("model", have, wanted)
-        if mismatch and (strict or "shape" in mismatch):
+        mismatch = states.describe_mismatch("model", states.global_shapes(model_sd),
+                                            states.global_shapes(template),
+                                            split=_split(dm), strict=strict)
+        if mismatch:
             problem = f"checkpoint {location.url(tag)} does not fit: {mismatch}"
         optim_sd = full.read_optimizer(location, tag, small) if optim is not None else None
     except CheckpointError as e:

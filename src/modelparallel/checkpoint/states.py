@@ -104,9 +104,16 @@ def global_shapes(sd: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             if isinstance(v, torch.Tensor | DTensor)}
 
 
-def describe_mismatch(what: str, saved: dict[str, tuple], wanted: dict[str, tuple],
-                      limit: int = 5) -> str | None:
-    """The first differences between a checkpoint's and the model's names and shapes."""
+def describe_mismatch(what: str, saved: dict[str, tuple], wanted: dict[str, tuple], *,
+                      split: bool = False, strict: bool = True, limit: int = 5) -> str | None:
+    """The first differences between a checkpoint's and the model's names and shapes.
+
+    ``split``: this rank holds one pipeline stage, so the checkpoint's other names are
+    expected. Not ``strict``: names may be missing or extra; shapes must still agree."""
+    if split or not strict:
+        saved = {k: v for k, v in saved.items() if k in wanted}
+    if not strict:
+        wanted = {k: v for k, v in wanted.items() if k in saved}
     missing = sorted(set(wanted) - set(saved))
     extra = sorted(set(saved) - set(wanted))
     shapes = sorted(k for k in set(saved) & set(wanted) if tuple(saved[k]) != tuple(wanted[k]))
