@@ -9,6 +9,7 @@ show its traceback without the script using ``@record``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -79,8 +80,9 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(script))
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit:
-        raise
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            raise
     except BaseException as error:
         if is_collective_timeout(error):  # a note prints after the error line
             error.add_note(timeout_hint())
@@ -90,17 +92,18 @@ def main() -> None:
         sys.stderr.flush()
         write_error_file(error, formatted)
         sys.exit(1)
-    _close_process_groups()
+    _exit_after_success()
 
 
-def _close_process_groups() -> None:
-    """Destroy the process groups a finished script left open: left to interpreter exit,
-    gloo's threads are sometimes torn down while running ("terminate called without an
-    active exception", SIGABRT) and a run that succeeded would fail."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def _exit_after_success() -> None:
+    """End a script that succeeded without running C++ destructors: at interpreter exit,
+    gloo's threads of a process group still open are sometimes destroyed while joinable
+    ("terminate called without an active exception", SIGABRT), and a run that succeeded
+    would fail. The script's atexit handlers run, and the output is flushed, first."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
