@@ -80,6 +80,18 @@ def bad_inputs_case(root: str) -> dict[str, str]:
     errors["unsafe_content"] = error_of(lambda: mp.save_checkpoint(
         good, "c", model=model, user_content={"fn": print}))
     errors["bad_tag"] = error_of(lambda: mp.save_checkpoint(good, "../x", model=model))
+    errors["plain_loader"] = error_of(lambda: mp.save_checkpoint(
+        good, "d", model=model, data_loader=torch.utils.data.DataLoader(range(4))))
+    mp.save_checkpoint(good, "model_only", model=model)
+    errors["no_optimizer"] = error_of(lambda: mp.resume_from_checkpoint(
+        good, model=model, optimizer=optimizer))
+    if mp.rank() == 0:  # a directory that was never committed
+        os.makedirs(os.path.join(good, "half"))
+    mp.barrier()
+    errors["incomplete"] = error_of(lambda: mp.resume_from_checkpoint(
+        good, tag="half", model=model))
+    errors["disagree"] = error_of(lambda: mp.save_checkpoint(
+        good, f"rank{mp.rank()}", model=model))
     return errors
 
 
@@ -99,6 +111,15 @@ def test_bad_checkpoints_give_clear_errors_on_every_rank(workers, tmp_path):
         assert "user_content must be made of tensors" in errors["unsafe_content"]
         assert "it holds print." in errors["unsafe_content"]
         assert "must be a non-empty name without '/'" in errors["bad_tag"]
+        assert "data_loader=DataLoader has no state_dict(); use mp.data.DataLoader" in \
+            errors["plain_loader"]
+        assert "model_only was saved without an optimizer; pass load_optimizer=False" in \
+            errors["no_optimizer"]
+        assert "good/half is not a complete checkpoint (no checkpoint.json)" in \
+            errors["incomplete"]
+        assert "ranks disagree on the checkpoint call: rank 0: save_checkpoint(" in \
+            errors["disagree"]
+        assert "tag='rank0'); rank 1: save_checkpoint(" in errors["disagree"]
     assert not os.path.exists(tmp_path / "good" / "c")  # refused before writing
 
 
