@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs_fixture import jobs  # noqa: F401  (a fixture for the job tests)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,5 @@
-"""The ``modelparallel`` command: ``run`` a training script, ``check-config`` a file."""
+"""The ``modelparallel`` command: ``run`` a training script, ``check-config`` a file,
+submit and follow training ``jobs``."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=int, default=None,
                    help="also check the degrees against this many processes")
     c.add_argument("--list", action="store_true", help="list every key with its default")
+
+    from modelparallel.jobs.cli import add_parser as add_jobs_parser
+
+    add_jobs_parser(sub)
     return p
 
 
@@ -68,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         sys.exit(check_config(args.file, args.world_size, args.list))
+    if args.command == "jobs":
+        from modelparallel.jobs.cli import main as jobs_main
+
+        sys.exit(jobs_main(args))
     try:
         code = run(RunOptions(
             script=args.script, script_args=args.script_args, nproc_per_node=args.nproc_per_node,

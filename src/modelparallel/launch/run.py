@@ -40,6 +40,7 @@ class RunOptions:
     config: str | None = None
     max_restarts: int = 0
     log_dir: str | None = None
+    local_addr: str | None = None  # this node's address for the other nodes (multi-node)
 
 
 def default_nproc_per_node() -> int:
@@ -71,18 +72,28 @@ def torchrun_argv(opts: RunOptions, nproc: int) -> list[str]:
     else:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={opts.rdzv_endpoint}",
                  f"--rdzv-id={opts.rdzv_id}"]
+        if opts.local_addr:
+            argv.append(f"--local-addr={opts.local_addr}")
     return [*argv, opts.script, *opts.script_args]
 
 
 def run(opts: RunOptions) -> int:
     """Launch the workers, wait for them, and return the exit code for the shell."""
+    return run_workers(opts)[0]
+
+
+def run_workers(opts: RunOptions) -> tuple[int, str | None]:
+    """Launch the workers and wait for them: the exit code for the shell, and the
+    failure summary (also printed) when a worker failed."""
     if not Path(opts.script).is_file():
-        print(f"modelparallel run: script {opts.script!r} does not exist", file=sys.stderr)
-        return 2
+        message = f"modelparallel run: script {opts.script!r} does not exist"
+        print(message, file=sys.stderr)
+        return 2, message
     if opts.nnodes > 1 and opts.rdzv_endpoint is None:
-        print(f"modelparallel run: --nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT, an "
-              f"address of the first node that every node can reach", file=sys.stderr)
-        return 2
+        message = (f"modelparallel run: --nnodes {opts.nnodes} needs --rdzv-endpoint "
+                   f"HOST:PORT, an address of the first node that every node can reach")
+        print(message, file=sys.stderr)
+        return 2, message
     nproc = opts.nproc_per_node or default_nproc_per_node()
     mp_config = launch_config_json(opts.config, opts.nnodes * nproc)
     args = torchrun.parse_args(torchrun_argv(opts, nproc))
@@ -105,11 +116,12 @@ def run(opts: RunOptions) -> int:
     try:
         elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
     except ChildFailedError as e:
-        print(failure_summary(e), file=sys.stderr, flush=True)
+        summary = failure_summary(e)
+        print(summary, file=sys.stderr, flush=True)
         _, first = first_failure(e)
         code = exit_code(first)
-        return code if code > 0 else 128 + abs(code or 1)
-    return 0
+        return (code if code > 0 else 128 + abs(code or 1)), summary.strip("\n=")
+    return 0, None
 
 
 def _stopped_by_launcher(failure: ProcessFailure) -> bool:

@@ -72,6 +72,18 @@ def write_error_file(error: BaseException, formatted: str) -> None:
         json.dump(data, f)
 
 
+def check_instance_order() -> None:
+    """In a training job, the instance the job calls node N must be torchrun's node N
+    (the rendezvous numbers nodes by address), or host names, model artifacts and
+    shards would belong to the wrong ranks."""
+    index, group = os.environ.get("MP_INSTANCE_INDEX"), os.environ.get("GROUP_RANK")
+    if index is not None and group is not None and index != group:
+        raise RuntimeError(
+            f"instance {os.environ.get('MP_CURRENT_HOST')} is node {index} of the job but "
+            f"torchrun's rendezvous numbered it node {group}: the instances' addresses do "
+            f"not sort in instance order; the job's backend must give them such addresses")
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m modelparallel.launch.worker script.py [args...]")
@@ -79,6 +91,7 @@ def main() -> None:
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(script))
     try:
+        check_instance_order()
         runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         if done.code not in (None, 0):

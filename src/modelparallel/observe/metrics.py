@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -63,10 +64,14 @@ class StepMetrics:
 
     ``samples``/``tokens`` are the counts the whole job processes in the step.
     Collective bytes are counted while the step body runs (``count_collectives``).
+    In a training job, ``jsonl`` defaults to the job's metrics file (``MP_METRICS_FILE``),
+    so the job store records every step.
     """
 
     def __init__(self, *, jsonl: str | Path | None = None, print_every: int = 1,
                  count_collectives: bool = True, printer: Callable[[str], None] | None = None):
+        # inside a training job, the job records the steps too (MP_METRICS_FILE)
+        jsonl = jsonl or os.environ.get("MP_METRICS_FILE")
         self.jsonl = Path(jsonl) if jsonl else None
         self.print_every = print_every
         self.count_collectives = count_collectives

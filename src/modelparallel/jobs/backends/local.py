@@ -1,0 +1,91 @@
+"""The default backend: ``instance_count`` instances on this machine, each its own
+torchrun agent on its own loopback address, joined by a c10d rendezvous as separate
+nodes would be."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+
+from modelparallel.jobs.backends.base import Backend, JobContext, free_port
+
+
+def loopback_address(index: int) -> str:
+    """Instance ``index``'s address: 127.0.1.100, 127.0.1.101, ... (all on ``lo``).
+
+    torchrun's c10d rendezvous numbers nodes in the string order of their addresses;
+    these sort in instance order, so instance 0 (algo-1) holds global rank 0.
+    """
+    return f"127.0.{1 + index // 100}.{100 + index % 100}"
+
+
+class LocalBackend(Backend):
+    name = "local"
+    options_doc = {"stop_grace_s": "seconds between SIGTERM and SIGKILL on stop (10)"}
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.procs: list[subprocess.Popen] = []
+        self.lines: queue.Queue[tuple[int, str]] = queue.Queue()
+        self.readers: list[threading.Thread] = []
+
+    def render(self, job: JobContext) -> str:
+        return "\n".join(" ".join(job.command(i, f"{loopback_address(0)}:PORT",
+                                               loopback_address(i)))
+                         for i in range(job.spec.instance_count))
+
+    def start(self, job: JobContext) -> None:
+        host = loopback_address(0)
+        endpoint = f"{host}:{free_port(host)}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for index in range(job.spec.instance_count):
+            proc = subprocess.Popen(job.command(index, endpoint, loopback_address(index)),
+                                    env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    text=True, errors="replace", bufsize=1)
+            self.procs.append(proc)
+            reader = threading.Thread(target=self._read, args=(index, proc), daemon=True)
+            reader.start()
+            self.readers.append(reader)
+
+    def _read(self, index: int, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.put((index, line.rstrip("\n")))
+
+    def poll(self) -> tuple[list[tuple[int, str]], bool]:
+        done = all(p.poll() is not None for p in self.procs) and \
+            not any(r.is_alive() for r in self.readers)
+        out = []
+        while True:
+            try:
+                out.append(self.lines.get_nowait())
+            except queue.Empty:
+                return out, done
+
+    def exit_codes(self) -> dict[int, int | None]:
+        return {i: p.poll() for i, p in enumerate(self.procs)}
+
+    def stop(self) -> None:
+        """SIGTERM every instance's process group (the agent and its workers), then
+        SIGKILL what is left after the grace period."""
+        grace = float(self.options.get("stop_grace_s", 10))
+        for p in self.procs:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            _signal_group(p, signal.SIGKILL)  # stragglers of the group, even after exit
+            p.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
