@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -25,6 +26,7 @@ from modelparallel.jobs import artifacts
 from modelparallel.jobs.channels import materialize
 from modelparallel.jobs.layout import JobLayout
 from modelparallel.jobs.spec import JobSpec
+from modelparallel.launch.lifeline import follow_parent
 from modelparallel.launch.run import RunOptions, run_workers
 
 FAILURE_LINES = 25  # of a failure file or the launcher's summary, kept as the reason
@@ -201,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--local-addr", default="127.0.0.1", help="this instance's address")
     p.add_argument("--rdzv-id", required=True)
     args = p.parse_args(argv)
+    follow_parent(signal.SIGTERM)  # torchrun's agent then stops its workers
     layout = JobLayout(args.job_dir)
     try:
         code = run_instance(layout, args.index, args.rdzv_endpoint, args.local_addr,

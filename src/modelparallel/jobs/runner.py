@@ -34,7 +34,7 @@ CHECKPOINT_SYNC_S = 30.0
 FAILED_PEER_GRACE_S = 15.0
 _PEER_GONE = re.compile(r"connection (closed|reset) by peer|remote process exited|"
                         r"timed out waiting|RendezvousClosedError|failed first with signal "
-                        r"SIGTERM", re.IGNORECASE)
+                        r"SIGTERM|stopped by SIG", re.IGNORECASE)
 
 
 class Runner:
@@ -75,6 +75,7 @@ class Runner:
         except Exception as e:  # the backend could not start, a sync failed, ...
             self.say(f"error: {type(e).__name__}: {e}")
             self._stop_backend()
+            self._close_backend()
             self.store.update(self.name, failure_reason=f"{type(e).__name__}: {e}")
             self.store.transition(self.name, "Failed", str(e))
             return 1
@@ -130,6 +131,12 @@ class Runner:
         except Exception as e:
             self.say(f"stopping the instances failed: {type(e).__name__}: {e}")
 
+    def _close_backend(self) -> None:
+        try:
+            self.backend.close()
+        except Exception as e:
+            self.say(f"releasing the backend failed: {type(e).__name__}: {e}")
+
     def _record(self, lines: list[tuple[int, str]]) -> None:
         metrics = []
         for index, line in lines:
@@ -147,6 +154,7 @@ class Runner:
 
     def _finish(self) -> int:
         self._record([])
+        self._close_backend()
         results = self._results()
         codes = {i: r.get("exit_code") for i, r in results.items()}
         self.store.update(self.name, exit_codes={self.spec.hosts[i]: c
@@ -184,14 +192,20 @@ class Runner:
         results = {}
         for index in range(self.spec.instance_count):
             path = self.layout.result(index)
+            note = self.backend.notes.get(index)
             if path.is_file():
                 results[index] = json.loads(path.read_text())
+                if note:  # e.g. its node was lost: that, not how it was ended, is the cause
+                    results[index].update(exit_code=results[index]["exit_code"] or -1,
+                                          failure_reason=note, backend_note=True)
             else:
                 code = seen.get(index)
                 results[index] = {
                     "exit_code": code if code not in (None, 0) else 1, "no_result": True,
-                    "failure_reason": f"instance {self.spec.hosts[index]} ended without a "
-                                      f"result (exit code {code}); see the job's log"}
+                    "backend_note": bool(note),
+                    "failure_reason": note or f"instance {self.spec.hosts[index]} ended "
+                                              f"without a result (exit code {code}); see "
+                                              f"the job's log"}
         return results
 
 
@@ -200,10 +214,10 @@ def _failure_reason(results: dict[int, dict[str, Any]], spec: JobSpec) -> str:
     failed = [(i, r) for i, r in sorted(results.items()) if r.get("exit_code")]
     if not failed:
         return "the job did not finish on every instance"
-    # an instance that failed on its own, before one that saw a peer go away, before
-    # one that was stopped without a result
+    # what the backend saw (a lost node), then an instance that failed on its own, then
+    # one that saw a peer go away, then one that was stopped without a result
     index, result = min(failed, key=lambda item: (
-        bool(item[1].get("no_result")),
+        not item[1].get("backend_note"), bool(item[1].get("no_result")),
         bool(_PEER_GONE.search(item[1].get("failure_reason") or "")), item[0]))
     return (f"{spec.hosts[index]} exited with {result['exit_code']}: "
             f"{result.get('failure_reason') or 'no error was recorded'}")

@@ -18,6 +18,8 @@ import sys
 import time
 import traceback
 
+from modelparallel.launch.lifeline import follow_parent
+
 # What a collective that waited too long raises: gloo's RuntimeError ("Timed out waiting
 # 5000ms for recv operation to complete") and nccl's watchdog ("Watchdog caught
 # collective operation timeout: WorkNCCL(...) ran for 600042 milliseconds").
@@ -87,6 +89,7 @@ def check_instance_order() -> None:
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m modelparallel.launch.worker script.py [args...]")
+    follow_parent()  # a worker whose agent was killed ends too
     script = os.path.abspath(sys.argv[1])
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(script))

@@ -45,6 +45,8 @@ class Backend(ABC):
 
     def __init__(self, options: dict[str, Any]):
         self.options = dict(options)
+        # why an instance ended without its own result (a lost node), by index
+        self.notes: dict[int, str] = {}
 
     @classmethod
     def check(cls, spec: JobSpec) -> list[tuple[str, str]]:
@@ -78,6 +80,10 @@ class Backend(ABC):
     def info(self) -> dict[str, Any]:
         """Backend-specific identifiers recorded in the job store."""
         return {}
+
+    def close(self) -> None:
+        """Release what start() acquired (connections, reservations); the job ended."""
+        return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

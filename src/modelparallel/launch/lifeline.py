@@ -1,0 +1,26 @@
+"""End a process when the process that started it is gone.
+
+torchrun starts every worker in a session of its own, and a job backend starts every
+instance the same way, so a parent that is SIGKILLed (or a Ray node that is lost)
+would leave them running with nobody to stop them. A daemon thread notices the
+reparenting and signals this process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+
+def follow_parent(sig: int = signal.SIGKILL, interval_s: float = 1.0) -> None:
+    """Send ``sig`` to this process once its parent has ended."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="follow-parent", daemon=True).start()
