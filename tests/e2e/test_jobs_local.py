@@ -112,6 +112,8 @@ def test_failures_and_concurrent_jobs(jobs, tmp_path):
     ok, raises, file = (j.describe() for j in started)
     assert ok["status"] == "Completed" and ok["model_uri"]
     assert raises["status"] == "Failed" and raises["model_uri"] is None
+    # algo-1 may have finished its part and packed a model; a failed job keeps none
+    assert not (jobs.dir / "raises" / "output" / "model.tar.gz").exists()
     assert raises["exit_codes"]["algo-2"] == 1
     assert raises["failure_reason"].startswith("algo-2 exited with 1: ")
     assert "ValueError: injected failure in the training loop" in raises["failure_reason"]

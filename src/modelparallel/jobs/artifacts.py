@@ -34,6 +34,12 @@ def upload(local: Path, uri: str) -> None:
         fs.put_file(str(local), path)
 
 
+def remove(uri: str) -> None:
+    fs, path = url_to_fs(uri)
+    if fs.exists(path):
+        fs.rm_file(path)
+
+
 def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 

@@ -165,6 +165,11 @@ class Runner:
             except Exception as e:
                 self.say(f"syncing checkpoints failed: {type(e).__name__}: {e}")
         first = results.get(0, {})
+        completed = not self.stop_reason and len(codes) == self.spec.instance_count and \
+            all(c == 0 for c in codes.values())
+        if first.get("model_uri") and not completed:
+            # algo-1 finished its part, but the job did not: it has no model
+            artifacts.remove(first.pop("model_uri"))
         self.store.update(self.name, model_uri=first.get("model_uri"),
                           output_uri=first.get("output_uri"))
         if self.stop_reason:
@@ -175,7 +180,7 @@ class Runner:
             self.say(f"job {self.name}: {status}")
             self.store.transition(self.name, status, self.stop_reason)
             return 3
-        if all(c == 0 for c in codes.values()) and len(codes) == self.spec.instance_count:
+        if completed:
             self.say(f"job {self.name}: Completed; model {first.get('model_uri')}")
             self.store.transition(self.name, "Completed")
             return 0
