@@ -10,8 +10,11 @@ from pathlib import Path
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-# a checkpoint save in progress, or one being replaced (modelparallel.checkpoint's names)
-_UNFINISHED = (".tmp-", ".old-")
+
+def _unfinished(name: str) -> bool:
+    """A checkpoint save in progress, one being replaced, or a file being replaced
+    (modelparallel.checkpoint's names: .tmp-TAG-..., .old-..., .newest.tmp-PID)."""
+    return name.startswith((".tmp-", ".old-")) or (name.startswith(".") and ".tmp-" in name)
 
 
 def pack(directory: Path, archive: Path) -> None:
@@ -48,7 +51,7 @@ def _files(directory: Path) -> dict[str, Path]:
     out = {}
     for path in directory.rglob("*"):
         rel = path.relative_to(directory)
-        if path.is_file() and not any(p.startswith(_UNFINISHED) for p in rel.parts):
+        if path.is_file() and not any(_unfinished(p) for p in rel.parts):
             out[rel.as_posix()] = path
     return out
 
@@ -65,7 +68,10 @@ def sync_up(directory: Path, uri: str) -> int:
     local = _files(directory)
     for rel, path in sorted(local.items(), key=lambda item: ("/" not in item[0], item[0])):
         target = f"{root}/{rel}"
-        stat = path.stat()
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # rotated away since the listing
+            continue
         try:
             info = fs.info(target)
             if info.get("size") == stat.st_size and _mtime(info) >= stat.st_mtime:
@@ -73,12 +79,15 @@ def sync_up(directory: Path, uri: str) -> int:
         except FileNotFoundError:
             pass
         fs.makedirs(os.path.dirname(target), exist_ok=True)
-        fs.put_file(str(path), target)
+        try:
+            fs.put_file(str(path), target)
+        except FileNotFoundError:
+            continue
         copied += 1
     if fs.exists(root):  # checkpoints rotated away locally
         for path in fs.find(root):
             rel = path[len(root) + 1:]
-            if rel not in local and not any(p.startswith(_UNFINISHED) for p in rel.split("/")):
+            if rel not in local and not any(_unfinished(p) for p in rel.split("/")):
                 fs.rm_file(path)
     return copied
 

@@ -1,7 +1,8 @@
 """``modelparallel jobs``: submit, list, describe, logs, stop.
 
-Exit codes: 0 success (submit: the job completed), 1 the job failed, 2 invalid job
-file or arguments, 3 the job was stopped, 4 no such job / a job of that name is running.
+Exit codes: 0 success (submit: the job completed), 1 the job failed (or the command
+could not do its work), 2 invalid job file or arguments, 3 the job was stopped, 4 no
+such job / a job of that name is running, 130 interrupted (the job keeps running).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def main(args: argparse.Namespace) -> int:
     except JobExists as e:
         print(f"modelparallel jobs {args.jobs_command}: {e}", file=sys.stderr)
         return 4
+    except RuntimeError as e:  # e.g. stopping a job run from another host
+        print(f"modelparallel jobs {args.jobs_command}: {e}", file=sys.stderr)
+        return 1
 
 
 def _submit(args: argparse.Namespace, jobs_dir: Path) -> int:

@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -170,17 +171,24 @@ class Estimator:
 
 
 def submit(spec: JobSpec, jobs_dir: Path) -> TrainingJob:
-    """Record the job, stage private channels, start its runner process."""
+    """Record the job, snapshot its code, stage private channels, start its runner."""
     store = JobStore(jobs_dir / "jobs.db")
     layout = JobLayout(jobs_dir / spec.name)
-    layout.root.mkdir(parents=True, exist_ok=True)
-    for name, channel in list(spec.inputs.items()):
-        if is_private(channel.uri):
-            spec.inputs[name] = stage(channel, layout.staged(name))
     attempt = store.begin(spec.name, spec=json.loads(spec.to_json()),
                           job_dir=str(layout.root), backend=spec.backend,
                           checkpoint_uri=spec.checkpoint_uri)
-    layout.spec.write_text(spec.to_json())
+    try:
+        layout.root.mkdir(parents=True, exist_ok=True)
+        snapshot_code(spec, layout)
+        for name, channel in list(spec.inputs.items()):
+            if is_private(channel.uri):
+                spec.inputs[name] = stage(channel, layout.staged(name))
+        layout.spec.write_text(spec.to_json())
+    except Exception as e:
+        reason = f"preparing the job failed: {type(e).__name__}: {e}"
+        store.update(spec.name, failure_reason=reason)
+        store.transition(spec.name, "Failed", reason)
+        raise
     with layout.log.open("a") as log:
         log.write(f"[modelparallel] ===== attempt {attempt} =====\n")
     runner_log = (layout.root / "runner.log").open("ab")
@@ -191,6 +199,21 @@ def submit(spec: JobSpec, jobs_dir: Path) -> TrainingJob:
     runner_log.close()
     store.update(spec.name, runner_pid=proc.pid, runner_host=socket.gethostname())
     return TrainingJob(spec.name, jobs_dir)
+
+
+def snapshot_code(spec: JobSpec, layout: JobLayout) -> None:
+    """Copy the source directory (or the entry point alone) into the job directory, as
+    SageMaker uploads it: instances run this copy, and later edits do not reach them."""
+    code = layout.code
+    shutil.rmtree(code, ignore_errors=True)
+    if spec.source_dir:
+        shutil.copytree(spec.source_dir, code,
+                        ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc"))
+    else:
+        code.mkdir(parents=True)
+        shutil.copy2(spec.entry_point, code / Path(spec.entry_point).name)
+        spec.entry_point = Path(spec.entry_point).name
+    spec.source_dir = str(code)
 
 
 def follow_log(job: TrainingJob, *, from_start: bool, follow: bool, poll_s: float = 0.3):

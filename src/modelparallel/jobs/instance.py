@@ -61,7 +61,7 @@ def worker_environment(spec: JobSpec, index: int, channels: dict[str, str],
         env["MP_CONFIG"] = json.dumps(spec.config)
     sm = {"SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[index],
           "SM_HPS": hps, "SM_CHANNELS": json.dumps(sorted(channels)),
-          "SM_USER_ENTRY_POINT": spec.entry_point, "SM_MODULE_DIR": str(code_dir),
+          "SM_USER_ENTRY_POINT": Path(spec.entry_point).name, "SM_MODULE_DIR": str(code_dir),
           "SM_USER_ARGS": json.dumps(hyperparameter_args(spec.hyperparameters)),
           "SM_NUM_CPUS": str(os.cpu_count() or 1), "SM_NUM_GPUS": str(_gpus()),
           "SM_NETWORK_INTERFACE_NAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
@@ -96,12 +96,7 @@ def prepare(spec: JobSpec, layout: JobLayout, index: int) -> tuple[Path, dict[st
     for name in ("result.json", "metrics.jsonl"):
         (inst / name).unlink(missing_ok=True)
     code = inst / "code"
-    if spec.source_dir:
-        shutil.copytree(spec.source_dir, code,
-                        ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc"))
-    else:
-        code.mkdir(parents=True)
-        shutil.copy2(spec.entry_point, code / Path(spec.entry_point).name)
+    shutil.copytree(layout.code, code)
     for sub in ("model", "output/data", "input/data"):
         (inst / sub).mkdir(parents=True, exist_ok=True)
     layout.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -161,8 +156,7 @@ def run_instance(layout: JobLayout, index: int, rdzv_endpoint: str, local_addr: 
           f"rendezvous {rdzv_endpoint} ({spec.instance_count} instance(s))", flush=True)
     try:
         code_, summary = run_workers(RunOptions(
-            script=str(code / spec.entry_point if spec.source_dir
-                       else code / Path(spec.entry_point).name),
+            script=str(code / spec.entry_point),
             script_args=hyperparameter_args(spec.hyperparameters),
             nproc_per_node=spec.processes_per_host, nnodes=spec.instance_count,
             rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,

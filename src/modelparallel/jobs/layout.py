@@ -4,9 +4,10 @@
 
     JOB/spec.json                      the checked JobSpec
     JOB/job.log                        every instance's output, lines prefixed [algo-N]
+    JOB/code/                          the source directory, copied at submit
     JOB/checkpoints/                   MP_CHECKPOINT_DIR, shared by every rank
     JOB/staged/CHANNEL/                memory:// channels copied at submit
-    JOB/instances/algo-N/code/         the source directory, the working directory
+    JOB/instances/algo-N/code/         the instance's copy: its working directory
     JOB/instances/algo-N/input/data/CHANNEL/   File-mode channels
     JOB/instances/algo-N/model/        MP_MODEL_DIR (packed as model.tar.gz)
     JOB/instances/algo-N/output/       MP_OUTPUT_DIR (failure file), data/ = MP_OUTPUT_DATA_DIR
@@ -34,6 +35,10 @@ class JobLayout:
     @property
     def log(self) -> Path:
         return self.root / "job.log"
+
+    @property
+    def code(self) -> Path:
+        return self.root / "code"
 
     @property
     def checkpoints(self) -> Path:

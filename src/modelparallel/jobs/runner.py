@@ -82,6 +82,9 @@ class Runner:
         return self._finish()
 
     def _restore_checkpoints(self) -> None:
+        # an earlier attempt's model is not this attempt's
+        artifacts.remove(artifacts.join(self.spec.output_path, self.name, "output",
+                                        "model.tar.gz"))
         uri = self.spec.checkpoint_uri
         if uri is None:
             return
@@ -118,11 +121,15 @@ class Runner:
             if self.stop_reason and not stopping:
                 stopping = True
                 self.say(self.stop_reason)
-                self.store.transition(self.name, "Stopping", self.stop_reason)
+                if self.store.get(self.name)["secondary_status"] != "Stopping":
+                    self.store.transition(self.name, "Stopping", self.stop_reason)
                 self._stop_backend()
             if self.spec.checkpoint_uri and now - last_sync > CHECKPOINT_SYNC_S:
                 last_sync = now
-                self._sync_checkpoints()
+                try:
+                    self._sync_checkpoints()
+                except Exception as e:  # the next sync, or the final one, tries again
+                    self.say(f"syncing checkpoints failed: {type(e).__name__}: {e}")
             time.sleep(POLL_S)
 
     def _stop_backend(self) -> None:

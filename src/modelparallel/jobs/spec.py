@@ -286,6 +286,8 @@ def build_spec(*, entry_point: Any, source_dir: Any, instance_count: Any,
             problems += e.problems
     if problems:
         raise JobError(problems)
+    if source_dir is None:
+        entry_point = Path(entry_point).resolve()
     return JobSpec(
         name=name, entry_point=os.fspath(entry_point),
         source_dir=str(Path(source_dir).resolve()) if source_dir is not None else None,

@@ -34,6 +34,16 @@ class LocalBackend(Backend):
         self.lines: queue.Queue[tuple[int, str]] = queue.Queue()
         self.readers: list[threading.Thread] = []
 
+    @classmethod
+    def check(cls, spec) -> list[tuple[str, str]]:
+        problems = super().check(spec)
+        gpus = visible_gpus()
+        if gpus and spec.world_size > len(gpus):
+            problems.append(("processes_per_host", f"{spec.instance_count} instance(s) x "
+                             f"{spec.processes_per_host} = {spec.world_size} processes need as "
+                             f"many GPUs; this machine has {len(gpus)}"))
+        return problems
+
     def render(self, job: JobContext) -> str:
         return "\n".join(" ".join(job.command(i, f"{loopback_address(0)}:PORT",
                                                loopback_address(i)))
@@ -42,8 +52,11 @@ class LocalBackend(Backend):
     def start(self, job: JobContext) -> None:
         host = loopback_address(0)
         endpoint = f"{host}:{free_port(host)}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        gpus, pph = visible_gpus(), job.spec.processes_per_host
         for index in range(job.spec.instance_count):
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            if gpus:  # each instance its own GPUs, as each node would have
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[index * pph:(index + 1) * pph])
             proc = subprocess.Popen(job.command(index, endpoint, loopback_address(index)),
                                     env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -84,6 +97,18 @@ class LocalBackend(Backend):
         for p in self.procs:
             _signal_group(p, signal.SIGKILL)  # stragglers of the group, even after exit
             p.wait()
+
+
+def visible_gpus() -> list[str]:
+    """The CUDA devices this process may use (CUDA_VISIBLE_DEVICES' entries or indices)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -29,7 +29,7 @@ from modelparallel.jobs.backends.local import loopback_address
 READ_TIMEOUT_S = 30.0
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+@ray.remote(max_restarts=0)
 class InstanceActor:
     """Runs one instance command on its node and buffers its output."""
 
@@ -45,6 +45,8 @@ class InstanceActor:
         return free_port(host)
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:  # the GPUs Ray gave this actor
+            env = {**env, "CUDA_VISIBLE_DEVICES": os.environ["CUDA_VISIBLE_DEVICES"]}
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, text=True, errors="replace",
@@ -127,8 +129,10 @@ class RayBackend(Backend):
                 f"Ray could not place {spec.instance_count} instance(s) of {bundle} with "
                 f"{self.strategy} within {timeout:g}s ({len(nodes)} alive node(s)); add "
                 f"nodes or lower cpus_per_instance/gpus_per_instance") from None
-        actors = [InstanceActor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=i)).remote()
+        actors = [InstanceActor.options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=i)).remote()
             for i in range(spec.instance_count)]
         ips = ray.get([a.node_ip.remote() for a in actors], timeout=timeout)
         if len(set(ips)) == len(ips):  # instances numbered in address order (c10d's)
@@ -142,7 +146,8 @@ class RayBackend(Backend):
                                f"and some do not; give every instance its own node")
         self.addrs = addrs
         port = ray.get(self.actors[0].free_port.remote(addrs[0]), timeout=timeout)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("RAY_") and k != "CUDA_VISIBLE_DEVICES"}
         env["PYTHONUNBUFFERED"] = "1"
         ray.get([a.start.remote(job.command(i, f"{addrs[0]}:{port}", addrs[i]), env)
                  for i, a in enumerate(self.actors)], timeout=timeout)
