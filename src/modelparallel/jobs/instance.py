@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--local-addr", default="127.0.0.1", help="this instance's address")
     p.add_argument("--rdzv-id", required=True)
     args = p.parse_args(argv)
-    follow_parent(signal.SIGTERM)  # torchrun's agent then stops its workers
+    # torchrun's agent stops its workers on SIGTERM (and they follow it if it is killed)
+    follow_parent(signal.SIGTERM, kill_after_s=15)
     layout = JobLayout(args.job_dir)
     try:
         code = run_instance(layout, args.index, args.rdzv_endpoint, args.local_addr,
