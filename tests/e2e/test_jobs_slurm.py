@@ -32,11 +32,10 @@ def test_batch_script(jobs, tmp_path):
     assert "srun --kill-on-bad-exit=1 --ntasks-per-node=1" in script
     assert "--rdzv-id scripted-2" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    # a dry run needs no SLURM commands on this machine
     shown = jobs.cli("submit", "--dry-run", _job_file(tmp_path))
-    if shown.returncode == 0:  # with SLURM's commands installed
-        assert shown.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=from-file")
-    else:
-        assert shown.returncode == 2 and "needs `sbatch` on PATH" in shown.stderr
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=from-file")
 
 
 def _job_file(tmp_path):

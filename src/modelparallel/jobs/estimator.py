@@ -127,20 +127,23 @@ class Estimator:
         self.jobs_dir = Path(jobs_dir).resolve() if jobs_dir else default_jobs_dir()
         self.latest_job: TrainingJob | None = None
 
-    def prepare(self, inputs: Any = None, job_name: str | None = None) -> JobSpec:
-        """Check everything and return the job's description (nothing starts)."""
+    def prepare(self, inputs: Any = None, job_name: str | None = None, *,
+                to_run: bool = True) -> JobSpec:
+        """Check everything (with ``to_run``, also that this machine has what the
+        backend runs) and return the job's description; nothing starts."""
         name = job_name or self.job_name or _unique_name(self.kwargs["entry_point"])
         output_path = self.kwargs["output_path"] or str(self.jobs_dir)
         spec = build_spec(**{**self.kwargs, "output_path": output_path}, inputs=inputs,
                           name=name)
-        problems = backend_class(spec.backend).check(spec)
+        backend = backend_class(spec.backend)
+        problems = backend.check(spec) + (backend.missing_tools() if to_run else [])
         if problems:
             raise JobError(problems)
         return spec
 
     def render(self, inputs: Any = None, job_name: str | None = None) -> str:
         """What the backend would run (sbatch script, manifest, commands)."""
-        spec = self.prepare(inputs, job_name)
+        spec = self.prepare(inputs, job_name, to_run=False)
         layout = JobLayout(self.jobs_dir / spec.name)
         backend = backend_class(spec.backend)(spec.backend_options)
         return backend.render(JobContext(spec, layout, attempt=1))

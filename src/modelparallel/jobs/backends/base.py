@@ -56,6 +56,11 @@ class Backend(ABC):
                                          f"options: {', '.join(cls.options_doc) or 'none'}")
                 for k in unknown]
 
+    @classmethod
+    def missing_tools(cls) -> list[tuple[str, str]]:
+        """What this machine lacks to run (not to render) a job on this backend."""
+        return []
+
     def render(self, job: JobContext) -> str:
         """What ``--dry-run`` prints: the script, manifest or commands that would run."""
         return "\n".join(" ".join(job.command(i, "HOST:PORT", "ADDR"))

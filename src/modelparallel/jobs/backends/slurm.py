@@ -45,12 +45,14 @@ class SlurmBackend(Backend):
         self.instances = 0
 
     @classmethod
+    def missing_tools(cls) -> list[tuple[str, str]]:
+        return [("backend", f"the slurm backend needs `{tool}` on PATH (SLURM's client "
+                            f"commands)")
+                for tool in ("sbatch", "scontrol", "scancel") if shutil.which(tool) is None]
+
+    @classmethod
     def check(cls, spec) -> list[tuple[str, str]]:
         problems = super().check(spec)
-        for tool in ("sbatch", "scontrol", "scancel"):
-            if shutil.which(tool) is None:
-                problems.append(("backend", f"the slurm backend needs `{tool}` on PATH (SLURM's "
-                                            f"client commands)"))
         args = spec.backend_options.get("sbatch_args", [])
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             problems.append(("backend_options.sbatch_args", "expected a list of strings"))
