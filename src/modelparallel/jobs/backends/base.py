@@ -7,6 +7,7 @@ artifacts) happens inside that command, the same way on every backend.
 
 from __future__ import annotations
 
+import queue
 import socket
 import sys
 from abc import ABC, abstractmethod
@@ -89,6 +90,16 @@ class Backend(ABC):
     def close(self) -> None:
         """Release what start() acquired (connections, reservations); the job ended."""
         return None
+
+
+def drain(lines: queue.Queue) -> list:
+    """Everything in ``lines`` now, without waiting."""
+    out = []
+    while True:
+        try:
+            out.append(lines.get_nowait())
+        except queue.Empty:
+            return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from modelparallel.jobs.backends.base import Backend, JobContext
+from modelparallel.jobs.backends.base import Backend, JobContext, drain
 from modelparallel.jobs.spec import JobSpec
 
 CONTAINER = "pytorch"  # the container name the operator looks for
@@ -242,12 +242,7 @@ class KubernetesBackend(Backend):
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
         done = self.ended_at is not None and not streaming
-        out = []
-        while True:
-            try:
-                out.append(self.lines.get_nowait())
-            except queue.Empty:
-                return out, done
+        return drain(self.lines), done
 
     def _check(self, now: float) -> None:
         """Read the job's and its pods' state, follow new pods' logs, note the end: the

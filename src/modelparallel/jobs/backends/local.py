@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 
-from modelparallel.jobs.backends.base import Backend, JobContext, free_port
+from modelparallel.jobs.backends.base import Backend, JobContext, drain, free_port
 
 
 def loopback_address(index: int) -> str:
@@ -74,12 +74,7 @@ class LocalBackend(Backend):
     def poll(self) -> tuple[list[tuple[int, str]], bool]:
         done = all(p.poll() is not None for p in self.procs) and \
             not any(r.is_alive() for r in self.readers)
-        out = []
-        while True:
-            try:
-                out.append(self.lines.get_nowait())
-            except queue.Empty:
-                return out, done
+        return drain(self.lines), done
 
     def exit_codes(self) -> dict[int, int | None]:
         return {i: p.poll() for i, p in enumerate(self.procs)}

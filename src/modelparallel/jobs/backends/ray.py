@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from modelparallel.jobs.backends.base import Backend, JobContext, free_port
+from modelparallel.jobs.backends.base import Backend, JobContext, drain, free_port
 from modelparallel.jobs.backends.local import loopback_address
 
 READ_TIMEOUT_S = 30.0
@@ -63,12 +63,7 @@ class InstanceActor:
         code = self.proc.poll() if self.proc else None
         if code is not None and self.reader is not None:
             self.reader.join(timeout=5)
-        out = []
-        while True:
-            try:
-                out.append(self.lines.get_nowait())
-            except queue.Empty:
-                return out, code
+        return drain(self.lines), code
 
     def stop(self, grace: float) -> int | None:
         if self.proc is None:
