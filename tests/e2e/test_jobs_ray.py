@@ -16,6 +16,19 @@ if skip_reason():
 from run_jobs import digits_channels, vit_estimator
 
 
+@pytest.mark.timeout(300)
+def test_without_address_a_local_ray_is_started(jobs, tmp_path):
+    """No cluster given: the runner starts a one-node Ray for the job; both instances land
+    on it and take loopback addresses, as on the local backend."""
+    job = jobs.estimator("contract.py", instance_count=2, backend="ray", job_name="solo",
+                         hyperparameters={"epochs": 2}).fit(
+        {"train": str(data_dir(tmp_path / "d", 3))}, logs=False)
+    record = job.describe()
+    assert record["status"] == "Completed"
+    assert record["backend_info"]["ray_strategy"] == "PACK"
+    assert record["backend_info"]["addresses"] == ["127.0.1.100", "127.0.1.101"]
+
+
 @pytest.mark.timeout(400)
 def test_vit_job_on_two_ray_nodes(jobs, ray_cluster, digits):  # noqa: F811
     est = vit_estimator("hybrid-tp", epochs=2, backend="ray", jobs_dir=jobs.dir,
