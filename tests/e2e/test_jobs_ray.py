@@ -17,9 +17,12 @@ from run_jobs import digits_channels, vit_estimator
 
 
 @pytest.mark.timeout(300)
-def test_without_address_a_local_ray_is_started(jobs, tmp_path):
+def test_without_address_a_local_ray_is_started(jobs, tmp_path, monkeypatch):
     """No cluster given: the runner starts a one-node Ray for the job; both instances land
     on it and take loopback addresses, as on the local backend."""
+    # Ray writes ~/.ray/auth_token when it starts a local cluster, and `ray start` then
+    # turns on token authentication: keep that away from the other tests' clusters
+    monkeypatch.setenv("HOME", str(tmp_path))
     job = jobs.estimator("contract.py", instance_count=2, backend="ray", job_name="solo",
                          hyperparameters={"epochs": 2}).fit(
         {"train": str(data_dir(tmp_path / "d", 3))}, logs=False)
@@ -27,6 +30,7 @@ def test_without_address_a_local_ray_is_started(jobs, tmp_path):
     assert record["status"] == "Completed"
     assert record["backend_info"]["ray_strategy"] == "PACK"
     assert record["backend_info"]["addresses"] == ["127.0.1.100", "127.0.1.101"]
+    assert (tmp_path / ".ray" / "auth_token").is_file()  # what the HOME above is for
 
 
 @pytest.mark.timeout(400)

@@ -161,7 +161,10 @@ def run_instance(layout: JobLayout, index: int, rdzv_endpoint: str, local_addr: 
             nproc_per_node=spec.processes_per_host, nnodes=spec.instance_count,
             rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
             config=str(config_file) if config_file else None,
-            max_restarts=spec.max_restarts, local_addr=local_addr))
+            max_restarts=spec.max_restarts, local_addr=local_addr,
+            # the first instance hosts the store: a failed bind is an error at once,
+            # not two clients waiting for a store nobody hosts
+            rdzv_host=index == 0))
     except SignalException as e:  # stopped: torchrun ended the workers, record that
         code_, summary = 128 + e.sigval, f"stopped by {e.sigval.name}"
     result: dict[str, Any] = {"index": index, "host": host, "exit_code": code_,

@@ -41,6 +41,7 @@ class RunOptions:
     max_restarts: int = 0
     log_dir: str | None = None
     local_addr: str | None = None  # this node's address for the other nodes (multi-node)
+    rdzv_host: bool | None = None  # whether this node hosts the c10d rendezvous store
 
 
 def default_nproc_per_node() -> int:
@@ -74,6 +75,8 @@ def torchrun_argv(opts: RunOptions, nproc: int) -> list[str]:
                  f"--rdzv-id={opts.rdzv_id}"]
         if opts.local_addr:
             argv.append(f"--local-addr={opts.local_addr}")
+        if opts.rdzv_host is not None:
+            argv.append(f"--rdzv-conf=is_host={str(opts.rdzv_host).lower()}")
     return [*argv, opts.script, *opts.script_args]
 
 

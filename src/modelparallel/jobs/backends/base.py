@@ -8,10 +8,12 @@ artifacts) happens inside that command, the same way on every backend.
 from __future__ import annotations
 
 import queue
+import random
 import socket
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from modelparallel.jobs.layout import JobLayout
@@ -103,6 +105,22 @@ def drain(lines: queue.Queue) -> list:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free on every address of this machine, below the range the kernel hands
+    out to outgoing connections: a port from that range can be taken by any process's
+    connection between this check and the rendezvous store binding it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = list(range(max(1024, low - 12000), low))
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # the store listens on every address
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded machine: any port the kernel gives
         s.bind((host, 0))
         return s.getsockname()[1]

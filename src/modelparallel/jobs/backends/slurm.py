@@ -30,7 +30,7 @@ class SlurmBackend(Backend):
     options_doc = {
         "partition": "the partition to submit to (default: the cluster's default)",
         "account": "the account to charge",
-        "rdzv_port": "the rendezvous port on the first node (default 20000 + job id % 20000)",
+        "rdzv_port": "the rendezvous port on the first node (default 20000 + job id % 10000)",
         "sbatch_args": "more sbatch options, a list such as ['--gres=gpu:8']",
         "python": "the Python on the nodes (default: the one submitting)",
     }
@@ -75,7 +75,8 @@ class SlurmBackend(Backend):
             lines.append(f"#SBATCH --time={minutes}")
         lines += [f"#SBATCH {a}" for a in opts.get("sbatch_args", [])]
         python = opts.get("python", job.python)
-        port = opts.get("rdzv_port") or "$((20000 + SLURM_JOB_ID % 20000))"
+        # below the kernel's range for outgoing connections (32768-60999 by default)
+        port = opts.get("rdzv_port") or "$((20000 + SLURM_JOB_ID % 10000))"
         command = " ".join(shlex.quote(a) for a in [python, "-m", "modelparallel.jobs.instance",
                                                    str(job.layout.root)])
         lines += [
