@@ -19,8 +19,8 @@ from typing import Any
 
 TERMINAL = ("Completed", "Failed", "Stopped")
 # secondary status (what the job is doing) -> primary status (SageMaker's names)
-PRIMARY = {"Pending": "InProgress", "Starting": "InProgress", "Downloading": "InProgress",
-           "Training": "InProgress", "Uploading": "InProgress", "Stopping": "Stopping",
+PRIMARY = {"Pending": "InProgress", "Starting": "InProgress", "Training": "InProgress",
+           "Stopping": "Stopping",
            "Completed": "Completed", "Failed": "Failed", "Stopped": "Stopped",
            "MaxRuntimeExceeded": "Stopped"}
 
