@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import processes_naming
 
 from modelparallel.jobs import Estimator
 from modelparallel.jobs.estimator import stop_job
@@ -57,25 +58,6 @@ class Jobs:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         return left
-
-
-def processes_naming(text: str) -> list[int]:
-    """Live processes whose command line contains ``text``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        try:
-            zombie = (proc / "stat").read_text().split(") ")[1].startswith("Z")
-        except (OSError, IndexError):
-            continue
-        if text in cmdline and not zombie:
-            found.append(int(proc.name))
-    return found
 
 
 @pytest.fixture

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from procs import comm, stat, tail
 
 HEAD_IP = "127.0.0.2"
 WORKER_IP = "127.0.0.3"
@@ -113,7 +114,7 @@ class RayCluster:
     def raylet_pid(self, ip: str) -> int:
         node = self.node(ip)
         for pid in _cluster_pids({node.session}, None):
-            if _comm(pid) == "raylet":
+            if comm(pid) == "raylet":
                 return pid
         raise LookupError(f"no raylet of node {ip} is running")
 
@@ -141,23 +142,6 @@ def _free_port(ip: str) -> int:
         return s.getsockname()[1]
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, session id) of a process, or None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[3])
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def _has_token(pid: int, token: str) -> bool:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
@@ -173,10 +157,10 @@ def _cluster_pids(sessions: set[int], token: str | None, zombies: bool = False) 
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         pid = int(entry.name)
-        st = _stat(pid)
+        st = stat(pid)
         if st is None or (st[0] == "Z" and not zombies):
             continue
-        if st[1] in sessions or (token is not None and _has_token(pid, token)):
+        if st[2] in sessions or (token is not None and _has_token(pid, token)):
             found.append(pid)
     return found
 
@@ -202,13 +186,6 @@ def _ray_command() -> list[str]:
     if found:
         return [found]
     return [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def _alive_node_ips(address: str, timeout: float) -> list[str]:
@@ -266,9 +243,9 @@ def _wait_started(node: RayNode, deadline: float) -> None:
             return
         if node.process.poll() is not None:
             raise RuntimeError(f"`ray start` of node {node.ip} exited with "
-                               f"{node.process.returncode}:\n{_tail(node.log)}")
+                               f"{node.process.returncode}:\n{tail(node.log, 40)}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"node {node.ip} did not start in time:\n{_tail(node.log)}")
+            raise TimeoutError(f"node {node.ip} did not start in time:\n{tail(node.log, 40)}")
         time.sleep(0.2)
 
 
@@ -349,7 +326,7 @@ def stop_ray_cluster(cluster: RayCluster, timeout: float = 30) -> None:
     if cluster._own_temp_root:
         shutil.rmtree(cluster.temp_dir, ignore_errors=True)
     if left:
-        described = ", ".join(f"{pid} ({_comm(pid)})" for pid in left)
+        described = ", ".join(f"{pid} ({comm(pid)})" for pid in left)
         raise RuntimeError(f"processes of the Ray cluster survived SIGKILL: {described}")
 
 

@@ -62,6 +62,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from procs import alive, comm, stat, tail
+
 if __name__ != "__main__":  # not in the keeper, which starts faster without pytest
     import pytest
 
@@ -185,12 +187,12 @@ class SlurmCluster:
 
     def job_pids(self) -> list[int]:
         """The live processes of jobs (slurmstepd's and everything under them)."""
-        return [pid for pid in self.pids() if _comm(pid) not in DAEMON_COMMS]
+        return [pid for pid in self.pids() if comm(pid) not in DAEMON_COMMS]
 
     def log_tails(self, lines: int = 25) -> str:
         parts = []
         for path in sorted(self.log_dir.glob("*")):
-            parts.append(f"--- {path.name} (last {lines} lines) ---\n{_tail(path, lines)}")
+            parts.append(f"--- {path.name} (last {lines} lines) ---\n{tail(path, lines)}")
         return "\n".join(parts)
 
 
@@ -216,24 +218,13 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def _processes() -> dict[int, tuple[str, int]]:
     """{pid: (state, parent pid)} of every process."""
     table = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                text = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = text.rsplit(")", 1)[1].split()
-            table[int(entry.name)] = (fields[0], int(fields[1]))
+        st = stat(int(entry.name)) if entry.name.isdigit() else None
+        if st is not None:
+            table[int(entry.name)] = st[:2]
     return table
 
 
@@ -249,18 +240,6 @@ def _descendants(root: int, zombies: bool = False) -> list[int]:
                 grew = True
     found.discard(root)
     return sorted(p for p in found if zombies or table[p][0] != "Z")
-
-
-def _alive(pid: int) -> bool:
-    state = _processes().get(pid)
-    return state is not None and state[0] != "Z"
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def _which(name: str) -> str | None:
@@ -315,7 +294,7 @@ def _keeper(run_dir: str) -> int:
         time.sleep(0.05)
     shutil.rmtree(run_dir, ignore_errors=True)
     if left:
-        described = ", ".join(f"{pid} ({_comm(pid)})" for pid in left)
+        described = ", ".join(f"{pid} ({comm(pid)})" for pid in left)
         print(f"survived SIGKILL: {described}", file=sys.stderr, flush=True)
         return 1
     return 0
@@ -402,7 +381,7 @@ def _slurm_conf(cluster: SlurmCluster, state_dir: Path) -> str:
 
 def _check_alive(cluster: SlurmCluster) -> None:
     for name, pid in cluster.daemons.items():
-        if not _alive(pid):
+        if not alive(pid):
             time.sleep(0.2)  # for the keeper to log the exit status
             raise RuntimeError(f"{name} exited while the SLURM cluster started\n"
                                f"{cluster.log_tails()}")
@@ -493,8 +472,8 @@ def stop_slurm_cluster(cluster: SlurmCluster, timeout: float = 60) -> None:
         if code != 0:
             left = cluster.pids()
             raise RuntimeError(f"the SLURM cluster's keeper ended with {code}; processes left: "
-                               f"{[(pid, _comm(pid)) for pid in left]}\n"
-                               f"{_tail(cluster.log_dir / 'keeper.log')}")
+                               f"{[(pid, comm(pid)) for pid in left]}\n"
+                               f"{tail(cluster.log_dir / 'keeper.log', 25)}")
     shutil.rmtree(cluster.run_dir, ignore_errors=True)
 
 

@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import pytest
+from procs import cmdline
 from slurm_cluster import skip_reason, slurm_fixture  # noqa: F401
 from test_jobs_local import data_dir
 from test_jobs_vit import check_vit_job, digits  # noqa: F401
@@ -96,13 +97,6 @@ def test_slurm_failure_and_stop(jobs, slurm, monkeypatch, tmp_path):
     deadline = time.monotonic() + 60  # slurmstepd ends the steps' processes
     while slurm.job_pids() and time.monotonic() < deadline:
         time.sleep(0.5)
-    left = {pid: _cmdline(pid) for pid in slurm.job_pids()}
+    left = {pid: cmdline(pid) for pid in slurm.job_pids()}
     assert not left, left
 
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return "(gone)"

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import processes_naming
 from ray_cluster import (
     HEAD_IP,
     WORKER_IP,
@@ -78,18 +79,6 @@ class Probe:
     def sleep(self, seconds: float) -> str:
         time.sleep(seconds)
         return "slept"
-
-
-def _processes_naming(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
 
 
 @pytest.mark.timeout(180)  # the first test of the module also starts the cluster
@@ -191,7 +180,7 @@ def _wait_actor_died(probe: Probe, within: float) -> tuple[ray.exceptions.ActorD
 
 def _assert_nothing_left(cluster: RayCluster):
     assert cluster.pids() == []
-    assert _processes_naming(str(cluster.temp_dir)) == []
+    assert processes_naming(str(cluster.temp_dir), zombies=True) == []
     for node in cluster.nodes:
         assert node.process.poll() is not None
 

@@ -5,7 +5,6 @@ runs beside the first; nothing is left behind, even when the starting process di
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster as slurm_cluster_module
+from procs import alive, comm, processes_naming
 from slurm_cluster import (
     NODES,
     SlurmCluster,
-    _comm,
     _descendants,
     skip_reason,
     slurm_cluster,
@@ -42,26 +41,6 @@ def _write_job(cluster: SlurmCluster, name: str, body: str) -> Path:
     path = jobs / name
     path.write_text("#!/bin/bash\n" + textwrap.dedent(body))
     return path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _processes_naming(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if text.encode() in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
 
 
 def _wait_for(what: str, check, timeout: float, interval: float = 0.1):
@@ -159,7 +138,7 @@ def test_scancel_ends_a_running_two_node_job(slurm: SlurmCluster):
     _wait_for("both tasks started", lambda: all(f.exists() and f.read_text().strip()
                                                 for f in pid_files), 60)
     task_pids = [int(f.read_text()) for f in pid_files]
-    assert all(_alive(pid) for pid in task_pids)
+    assert all(alive(pid) for pid in task_pids)
     assert set(task_pids) <= set(slurm.job_pids())
     squeue = slurm.run("squeue", "--noheader", "--jobs", job_id, "--format=%i %t %D %N",
                        check=True).stdout.split()
@@ -171,8 +150,8 @@ def test_scancel_ends_a_running_two_node_job(slurm: SlurmCluster):
     assert job["JobState"] == "CANCELLED", job
     _wait_for("job processes gone", lambda: not slurm.job_pids(), 30)
     print(f"CANCELLED and all job processes gone {time.monotonic() - start:.1f} s after scancel")
-    assert not any(_alive(pid) for pid in task_pids)
-    assert _processes_naming(f"sleep-{marker}") == []
+    assert not any(alive(pid) for pid in task_pids)
+    assert processes_naming(f"sleep-{marker}") == []
     _wait_for("nodes idle again", lambda: slurm.node_states() == {"node1": "idle",
                                                                    "node2": "idle"}, 30)
 
@@ -189,10 +168,10 @@ def test_second_cluster_beside_the_first_and_nothing_left(slurm: SlurmCluster, t
         pids = other.pids()
         assert pids
         assert not set(pids) & set(slurm.pids())
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
     assert other.pids() == []
     assert not other.run_dir.exists()
-    assert _processes_naming(str(other.conf)) == []
+    assert processes_naming(str(other.conf)) == []
     # The first cluster still works.
     assert slurm.node_states() == {"node1": "idle", "node2": "idle"}
 
@@ -219,17 +198,17 @@ def test_cluster_killed_when_its_starter_dies(tmp_path):
 
         def tasks_running() -> list[int] | None:
             pids = _descendants(keeper_pid)  # the cluster's processes
-            return pids if [_comm(p) for p in pids].count("sleep") == 2 else None
+            return pids if [comm(p) for p in pids].count("sleep") == 2 else None
 
         pids = _wait_for("the job's tasks running", tasks_running, 60)
-        assert {"munged", "slurmctld", "slurmd", "slurmstepd"} <= {_comm(p) for p in pids}
+        assert {"munged", "slurmctld", "slurmd", "slurmstepd"} <= {comm(p) for p in pids}
     finally:
         starter.send_signal(signal.SIGKILL)
         starter.wait(timeout=30)
         starter.stdout.close()
-    _wait_for("keeper gone", lambda: not _alive(keeper_pid), 60)
-    assert not any(_alive(pid) for pid in pids)
-    assert _processes_naming(str(tmp_path / "slurm.conf")) == []
+    _wait_for("keeper gone", lambda: not alive(keeper_pid), 60)
+    assert not any(alive(pid) for pid in pids)
+    assert processes_naming(str(tmp_path / "slurm.conf")) == []
     assert not Path(run_dir).exists()
 
 
@@ -248,7 +227,7 @@ def test_daemon_that_dies_at_start_is_reported_with_its_log(tmp_path, monkeypatc
     print(message)
     assert "exited while the SLURM cluster started" in message
     assert "NoSuchParameter" in message  # slurmctld's (or slurmd's) complaint, from its log
-    assert _processes_naming(str(tmp_path)) == []
+    assert processes_naming(str(tmp_path)) == []
     assert len(run_dirs) == 1 and not Path(run_dirs[0]).exists()
 
 
@@ -268,5 +247,5 @@ def test_start_timeout_says_why_and_leaves_nothing(tmp_path, monkeypatch):
     assert time.monotonic() - start < 30
     assert "munged not ready in time" in str(raised.value)
     assert "--- munged.out" in str(raised.value)  # the tails of the logs
-    assert _processes_naming(str(fake)) == []
-    assert _processes_naming(str(tmp_path)) == []
+    assert processes_naming(str(fake)) == []
+    assert processes_naming(str(tmp_path)) == []
