@@ -4,15 +4,11 @@ nodes would be."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
-import signal
-import subprocess
-import threading
-import time
 
 from modelparallel.jobs.backends.base import Backend, JobContext, drain, free_port
+from modelparallel.jobs.backends.process import InstanceProcess, end_processes
 
 
 def loopback_address(index: int) -> str:
@@ -30,9 +26,8 @@ class LocalBackend(Backend):
 
     def __init__(self, options):
         super().__init__(options)
-        self.procs: list[subprocess.Popen] = []
+        self.instances: list[InstanceProcess] = []
         self.lines: queue.Queue[tuple[int, str]] = queue.Queue()
-        self.readers: list[threading.Thread] = []
 
     @classmethod
     def check(cls, spec) -> list[tuple[str, str]]:
@@ -57,41 +52,21 @@ class LocalBackend(Backend):
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             if gpus:  # each instance its own GPUs, as each node would have
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[index * pph:(index + 1) * pph])
-            proc = subprocess.Popen(job.command(index, endpoint, loopback_address(index)),
-                                    env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    text=True, errors="replace", bufsize=1)
-            self.procs.append(proc)
-            reader = threading.Thread(target=self._read, args=(index, proc), daemon=True)
-            reader.start()
-            self.readers.append(reader)
-
-    def _read(self, index: int, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            self.lines.put((index, line.rstrip("\n")))
+            self.instances.append(InstanceProcess(
+                job.command(index, endpoint, loopback_address(index)), env, self.lines,
+                tag=index))
 
     def poll(self) -> tuple[list[tuple[int, str]], bool]:
-        done = all(p.poll() is not None for p in self.procs) and \
-            not any(r.is_alive() for r in self.readers)
+        done = all(p.ended for p in self.instances)
         return drain(self.lines), done
 
     def exit_codes(self) -> dict[int, int | None]:
-        return {i: p.poll() for i, p in enumerate(self.procs)}
+        return {i: p.proc.poll() for i, p in enumerate(self.instances)}
 
     def stop(self) -> None:
         """SIGTERM every instance's process group (the agent and its workers), then
         SIGKILL what is left after the grace period."""
-        grace = float(self.options.get("stop_grace_s", 10))
-        for p in self.procs:
-            _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            _signal_group(p, signal.SIGKILL)  # stragglers of the group, even after exit
-            p.wait()
+        end_processes(self.instances, float(self.options.get("stop_grace_s", 10)))
 
 
 def visible_gpus() -> list[str]:
@@ -105,7 +80,3 @@ def visible_gpus() -> list[str]:
         return [d.strip() for d in listed.split(",") if d.strip()]
     return [str(i) for i in range(torch.cuda.device_count())]
 
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)

@@ -14,8 +14,6 @@ import contextlib
 import os
 import queue
 import signal
-import subprocess
-import threading
 import time
 from typing import Any
 
@@ -25,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from modelparallel.jobs.backends.base import Backend, JobContext, drain, free_port
 from modelparallel.jobs.backends.local import loopback_address
+from modelparallel.jobs.backends.process import InstanceProcess, end_processes
 
 READ_TIMEOUT_S = 30.0
 
@@ -34,9 +33,8 @@ class InstanceActor:
     """Runs one instance command on its node and buffers its output."""
 
     def __init__(self):
-        self.proc: subprocess.Popen | None = None
+        self.instance: InstanceProcess | None = None
         self.lines: queue.Queue[str] = queue.Queue()
-        self.reader: threading.Thread | None = None
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -47,34 +45,18 @@ class InstanceActor:
     def start(self, command: list[str], env: dict[str, str]) -> None:
         if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:  # the GPUs Ray gave this actor
             env = {**env, "CUDA_VISIBLE_DEVICES": os.environ["CUDA_VISIBLE_DEVICES"]}
-        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, text=True, errors="replace",
-                                     bufsize=1)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
+        self.instance = InstanceProcess(command, env, self.lines)
 
     def read(self) -> tuple[list[str], int | None]:
         """New output lines, and the exit code once the command ended."""
-        code = self.proc.poll() if self.proc else None
-        if code is not None and self.reader is not None:
-            self.reader.join(timeout=5)
+        code = self.instance.exit_code() if self.instance else None
         return drain(self.lines), code
 
     def stop(self, grace: float) -> int | None:
-        if self.proc is None:
+        if self.instance is None:
             return None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=grace)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.proc.wait()
+        end_processes([self.instance], grace)
+        return self.instance.proc.returncode
 
 
 class RayBackend(Backend):
