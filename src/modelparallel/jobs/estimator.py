@@ -19,6 +19,7 @@ from typing import Any
 
 from modelparallel.jobs.backends import JobContext, backend_class
 from modelparallel.jobs.channels import TrainingInput, is_private, stage
+from modelparallel.jobs.follow import FollowedFile
 from modelparallel.jobs.layout import JobLayout
 from modelparallel.jobs.spec import JobError, JobSpec, build_spec
 from modelparallel.jobs.store import TERMINAL, JobStore, default_jobs_dir
@@ -222,17 +223,11 @@ def snapshot_code(spec: JobSpec, layout: JobLayout) -> None:
 def follow_log(job: TrainingJob, *, from_start: bool, follow: bool, poll_s: float = 0.3):
     """Yield the job's log lines (this attempt's, unless ``from_start``), until it ends."""
     path = job.log_path
-    offset = 0 if from_start else _attempt_offset(path)
+    log = FollowedFile(path, 0 if from_start else _attempt_offset(path))
     while True:
         ended = check_runner(job.store, job.name)["status"] in TERMINAL
-        if path.is_file():
-            with path.open("rb") as f:
-                f.seek(offset)
-                data = f.read()
-            end = data.rfind(b"\n") + 1
-            offset += end
-            for raw in data[:end].splitlines(keepends=True):
-                yield raw.decode(errors="replace")
+        for raw in log.read_new().splitlines(keepends=True):
+            yield raw.decode(errors="replace")
         if ended or not follow:
             return
         time.sleep(poll_s)

@@ -9,6 +9,8 @@ import re
 import time
 from pathlib import Path
 
+from modelparallel.jobs.follow import FollowedFile
+
 Metric = tuple[str, float, int | None, float]  # name, value, step, timestamp
 STEP_FIELDS = ("loss", "samples_per_s", "tokens_per_s", "step_time_s", "peak_memory_bytes")
 
@@ -36,19 +38,11 @@ class StepMetricsFile:
     """Follows the JSON-lines file ``StepMetrics`` appends to (``MP_METRICS_FILE``)."""
 
     def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
+        self.file = FollowedFile(path)
 
     def read_new(self) -> list[Metric]:
-        if not self.path.is_file():
-            return []
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a line still being written waits for next time
-        self.offset += end
         out = []
-        for raw in data[:end].splitlines():
+        for raw in self.file.read_new().splitlines():
             try:
                 record = json.loads(raw)
             except json.JSONDecodeError:

@@ -15,10 +15,10 @@ import shlex
 import shutil
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 from modelparallel.jobs.backends.base import Backend, JobContext
+from modelparallel.jobs.follow import FollowedFile
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
          "PREEMPTED", "BOOT_FAIL", "DEADLINE")
@@ -38,8 +38,7 @@ class SlurmBackend(Backend):
     def __init__(self, options: dict[str, Any]):
         super().__init__(options)
         self.job_id: str | None = None
-        self.output: Path | None = None
-        self.offset = 0
+        self.output: FollowedFile | None = None
         self.state = "PENDING"
         self.last_state_check = 0.0
         self.instances = 0
@@ -111,7 +110,7 @@ class SlurmBackend(Backend):
         if done.returncode != 0:
             raise RuntimeError(f"sbatch failed ({done.returncode}): {done.stderr.strip()}")
         self.job_id = done.stdout.strip().split(";")[0]
-        self.output = job.layout.root / f"slurm-{self.job_id}.out"
+        self.output = FollowedFile(job.layout.root / f"slurm-{self.job_id}.out")
 
     def info(self) -> dict[str, Any]:
         return {"slurm_job_id": self.job_id}
@@ -131,17 +130,9 @@ class SlurmBackend(Backend):
 
     def poll(self) -> tuple[list[tuple[int, str]], bool]:
         self._check_state()
-        lines = []
-        if self.output is not None and self.output.is_file():
-            with self.output.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-            ended = self.state in ENDED
-            end = len(data) if ended else data.rfind(b"\n") + 1
-            self.offset += end
-            lines = [(-1, raw.decode(errors="replace"))
-                     for raw in data[:end].splitlines()]
-        return lines, self.state in ENDED
+        ended = self.state in ENDED
+        data = self.output.read_new(to_end=ended) if self.output is not None else b""
+        return [(-1, raw.decode(errors="replace")) for raw in data.splitlines()], ended
 
     def exit_codes(self) -> dict[int, int | None]:
         # each instance's own code is in its result.json; the runner reads those
