@@ -5,7 +5,9 @@
 Runs in real gloo processes on this machine and prints, as its last line, ratios
 measured in this one run:
 
-- tp_bytes: tensor-parallel bytes per layer of one forward + backward, over Megatron's
+- tp_bytes: tensor-parallel ring-model bytes (``CollectiveCounter``: what a ring would
+  send for each collective run, computed from its real tensors — a model, not a
+  measurement of the wire) per layer of one forward + backward, over Megatron's
   8·b·s·h·(t-1)/t elements (4 all-reduces of b·s·h per layer: 2 forward after the
   row-parallel layers, 2 backward for the column-parallel layers' input gradients,
   each costing 2(t-1)/t on a ring). Measured as (bytes(2L layers) - bytes(L)) / L,
@@ -165,11 +167,12 @@ def main() -> None:
                   + (f"; other groups: {other}" if other else ""))
             totals = ", ".join(f"{k} x{v}" for k, v in sorted(two["ops"].items()))
             print(f"   all ops, {2 * L} layers, {phase}: {totals}")
-        measured = sum(per_layer.values())
+        counted = sum(per_layer.values())
         expected = megatron_bytes_per_layer(TP)
-        ratios["tp_bytes"] = measured / expected
+        ratios["tp_bytes"] = counted / expected
         print(f"tp bytes (tp={TP}, b={BATCH}, s={MODEL['max_seq_len']}, h={MODEL['d_model']}, "
-              f"fp32): measured {measured / 2**20:.3f} MiB per layer per microbatch (fwd+bwd), "
+              f"fp32): ring-model bytes {counted / 2**20:.3f} MiB per layer per microbatch "
+              f"(fwd+bwd), "
               f"Megatron 8bsh(t-1)/t = {expected / 2**20:.3f} MiB, ratio "
               f"{ratios['tp_bytes']:.4f}")
 

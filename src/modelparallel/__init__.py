@@ -59,6 +59,7 @@ from modelparallel.comm import (
 )
 from modelparallel.config import Config, ConfigError
 from modelparallel.parallel import (
+    LossScaler,
     TPPlan,
     clip_grad_norm_,
     find_blocks,
@@ -94,6 +95,7 @@ __all__ = [
     "ConfigError",
     "DistributedModel",
     "DistributedOptimizer",
+    "LossScaler",
     "NotInitializedError",
     "OutsideStepError",
     "RankType",

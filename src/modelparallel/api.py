@@ -15,7 +15,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modelparallel.comm import get_process_group
+from modelparallel.parallel import replicas
 from modelparallel.parallel.blocks import find_blocks
+from modelparallel.parallel.clip import clip_grad_norm_
 from modelparallel.parallel.pipeline import compose, cut, schedules
 from modelparallel.parallel.pipeline import partition as balancing
 from modelparallel.parallel.pipeline.microbatch import collect_step_outputs, split_step_inputs
@@ -33,6 +35,7 @@ from modelparallel.parallel.pipeline.runtime import (
     running_microbatch,
 )
 from modelparallel.parallel.placement import is_meta
+from modelparallel.parallel.precision import HALF, LossScaler
 from modelparallel.state import state
 from modelparallel.topology import CommGroup
 
@@ -69,16 +72,25 @@ class DistributedModel(nn.Module):
     At the first ``@mp.step`` call (as SMP v1): with ``pipeline_parallel_degree`` > 1
     one microbatch is traced, the repeated layers are balanced over the stages (or
     placed by ``mp.partition`` / ``mp.set_partition``), and every rank keeps only its
-    stage's parameters; then tensor parallelism, activation checkpointing
-    (``set_activation_checkpointing``) and data parallelism apply to what the rank
-    holds. Call the model and ``backward`` only inside a step function.
+    stage's parameters; every rank takes the values of the first data-parallel rank
+    of its stage (scripts may seed each rank differently); then tensor parallelism,
+    activation checkpointing (``set_activation_checkpointing``), the precision policy
+    (``bf16``/``fp16``) and data parallelism apply to what the rank holds. Call the
+    model and ``backward`` only inside a step function.
+
+    ``backward_passes_per_step`` (SMP v1): gradients are accumulated over that many
+    step calls and reduced over the data-parallel ranks at the last of them; call the
+    optimizer after it.
     """
 
     _instance: DistributedModel | None = None
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, *, backward_passes_per_step: int = 1):
         super().__init__()
         s = state.require("mp.DistributedModel")
+        if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
+                             f"{backward_passes_per_step!r}")
         previous = DistributedModel._instance
         if previous is not None and previous._config is s.config:  # same mp.init()
             raise RuntimeError("only one mp.DistributedModel may exist per process; wrap the "
@@ -99,6 +111,11 @@ class DistributedModel(nn.Module):
         # optimizer updates, even while FSDP has swapped in gathered ones)
         self._local: dict[str, nn.Parameter] = {}
         self._fsdp: set[int] = set()   # ids of parameters FSDP manages
+        self._tp_replicas = False  # the TP ranks hold the model whole: data-parallel replicas
+        # gradient accumulation: data-parallel reduction after every n-th training step
+        self._passes_per_sync = backward_passes_per_step
+        self._passes = 0
+        self._shared_before: dict[str, torch.Tensor] = {}  # summed gradients set aside
         self._replaced: dict[int, nn.Parameter] = {}  # old parameter id -> its DTensor
         self._events: list[Event] | None = None  # recorded by record_schedule()
         # mp.resume_from_checkpoint before the split: loads once the rank knows its part
@@ -208,6 +225,7 @@ class DistributedModel(nn.Module):
                 self._parallelize([n for n, m in self.module.named_modules() if id(m) in found]
                                   + [""])
                 self._finish_partition()
+            self._before_step()
             results = [self._run_direct(mb, len(microbatches)) for mb in microbatches]
             self._after_step()
             return results
@@ -217,9 +235,10 @@ class DistributedModel(nn.Module):
                 raise RuntimeError("the step function returned without calling the model")
         if not self.partitioned:
             self._partition(microbatches[0].model_inputs)
+        self._before_step()
         train = torch.is_grad_enabled()
         for mb in microbatches:
-            mb.scale = 1.0 / len(microbatches)
+            mb.scale = self._loss_scale() / len(microbatches)
         key = (train, _signature(microbatches[0].model_inputs), len(microbatches))
         if key not in self._runners:
             c = s.config
@@ -241,16 +260,28 @@ class DistributedModel(nn.Module):
 
     def _run_direct(self, mb: Microbatch, count: int) -> Any:
         """No pipeline: the step function runs here; backward of loss / microbatches."""
-        mb.scale = 1.0 / count
+        mb.scale = self._loss_scale() / count
         kind, value = mb.start()
         while kind != "done":
             if kind == "call":
                 args, kwargs = mb.model_inputs
                 kind, value = mb.resume(("output", self.module(*args, **kwargs)))
             elif kind == "backward":
-                (mb.loss * mb.scale).backward()
+                (mb.loss.float() * mb.scale).backward()
                 kind, value = mb.resume(("continue", None))
         return value
+
+    def _loss_scale(self) -> float:
+        """The factor ``model.backward`` multiplies the loss by: the loss scale of the
+        DistributedOptimizer's scaler under fp16, else 1."""
+        if not torch.is_grad_enabled() or self._config.half_precision != "fp16":
+            return 1.0
+        optimizer = DistributedOptimizer._instance
+        if optimizer is None or optimizer.loss_scaler is None:
+            raise RuntimeError("fp16=True needs loss scaling, which mp.DistributedOptimizer "
+                               "does: create optimizer = mp.DistributedOptimizer(torch_optimizer) "
+                               "after mp.DistributedModel and before the first step")
+        return optimizer.loss_scaler.scale_value
 
     def _from_last_stage(self, results: list[Any] | None) -> list[Any]:
         """SMP: the step's return values are on every rank of the pipeline."""
@@ -279,7 +310,8 @@ class DistributedModel(nn.Module):
         held = self._held_modules()
         everything = [*self._split.layers, *self._split.before,
                       *[m for m in self._split.after if m not in self._split.before]]
-        self._stubs = {path: cut.Stub(self.module.get_submodule(path), None)
+        half = HALF.get(s.config.half_precision or "")
+        self._stubs = {path: cut.Stub(self.module.get_submodule(path), None, half)
                        for path in everything}
         self._shared = self._shared_parameters()
         self._free_other_stages(everything, held)
@@ -317,7 +349,8 @@ class DistributedModel(nn.Module):
         """Tensor parallelism, then FSDP on ``units``; remember replaced parameters."""
         s = state.require("mp.DistributedModel")
         before = dict(self.module.named_parameters(remove_duplicate=False))
-        self._fsdp = compose.parallelize(self.module, units, s)
+        done = compose.parallelize(self.module, units, s)
+        self._fsdp, self._tp_replicas = done.fsdp, done.tp_replicas
         after = dict(self.module.named_parameters(remove_duplicate=False))
         self._replaced = {id(before[n]): p for n, p in after.items() if p is not before[n]}
         self._local = {n: p for n, p in after.items() if not is_meta(p)}
@@ -364,21 +397,53 @@ class DistributedModel(nn.Module):
 
     def _sync_gradients(self) -> None:
         """Sum the gradients of parameters several pipeline ranks use over those ranks;
-        average the rest over the data-parallel replicas unless FSDP did."""
+        average the rest over the data-parallel replicas (with the tensor-parallel ranks
+        when they hold the model whole) unless FSDP did."""
         s = state.require("mp.step")
         params = dict(self.module.named_parameters(remove_duplicate=False))
         for group, names in self._shared:
             _all_reduce_grads([params[n] for n in names], group)
-        rdp = s.topology.size_of(CommGroup.RDP_GROUP)
-        if rdp > 1:
-            replicas = [p for p in self.local_parameters() if id(p) not in self._fsdp]
-            _all_reduce_grads(replicas, get_process_group(CommGroup.RDP_GROUP), 1 / rdp)
+        for name, before in self._shared_before.items():  # what earlier steps summed
+            params[name].grad = before if params[name].grad is None else \
+                params[name].grad + before
+        self._shared_before = {}
+        group = replicas.data_parallel_group(s, self._tp_replicas)
+        size = dist.get_world_size(group)
+        if size > 1:
+            held = [p for p in self.local_parameters() if id(p) not in self._fsdp]
+            _all_reduce_grads(held, group, 1 / size)
+
+    def _syncs_this_step(self) -> bool:
+        """Whether this training step ends a run of ``backward_passes_per_step``."""
+        return (self._passes + 1) % self._passes_per_sync == 0
+
+    def _before_step(self) -> None:
+        """Set gradients that already hold a sum over pipeline ranks aside, so that a step
+        that accumulates onto them sums only its own part. FSDP reduces gradients in
+        backward: only on the steps that synchronize."""
+        if not torch.is_grad_enabled():
+            return
+        if self._passes % self._passes_per_sync == 0:  # a run of passes starts
+            params = dict(self.module.named_parameters(remove_duplicate=False))
+            for _, names in self._shared:
+                for name in names:
+                    if params[name].grad is not None:
+                        self._shared_before[name] = params[name].grad
+                        params[name].grad = None
+        if self._passes_per_sync > 1:
+            sync = self._syncs_this_step()
+            for module in self.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_requires_gradient_sync(sync, recurse=False)
 
     def _after_step(self) -> None:
-        """Training: synchronize gradients. Evaluation: FSDP keeps a root unit's
-        parameters gathered after forward, for a backward that never comes; free them."""
+        """Training: synchronize gradients (every ``backward_passes_per_step`` steps).
+        Evaluation: FSDP keeps a root unit's parameters gathered after forward, for a
+        backward that never comes; free them."""
         if torch.is_grad_enabled():
-            self._sync_gradients()
+            if self._syncs_this_step():
+                self._sync_gradients()
+            self._passes += 1
             return
         for module in self.module.modules():
             if isinstance(module, FSDPModule):
@@ -410,11 +475,16 @@ class DistributedModel(nn.Module):
 
 def _all_reduce_grads(params: list[nn.Parameter], group, scale: float = 1.0) -> None:
     """Sum (times ``scale``) this rank's part of the parameters' gradients over ``group``,
-    as one flat tensor."""
+    as one flat tensor. A parameter this rank's step did not use (a model parameter read
+    before the first layer, on a later pipeline stage) joins with a zero gradient: every
+    rank must pass the same sizes, and the others' gradients are its too."""
+    params = [p for p in params if p.requires_grad]
     for p in params:  # e.g. a vocab-parallel embedding's gradient comes back replicated
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-    grads = [compose.local(p.grad) for p in params if p.grad is not None]
+    grads = [compose.local(p.grad) for p in params]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -441,14 +511,34 @@ class DistributedOptimizer:
 
     Create it after ``DistributedModel`` and before the first step, from an optimizer
     over ``model.parameters()``; parameters other stages hold are dropped at the split.
+    With ``fp16`` it scales the loss (``model.backward`` multiplies by the scale) with a
+    dynamic :class:`~modelparallel.parallel.precision.LossScaler` (``loss_scaler``, or
+    the one passed in):
+    ``step()`` unscales, skips a step whose gradients overflowed on any rank
+    (``overflow`` says so) and adapts the scale; the scaler's state is part of
+    ``state_dict()``. With ``sharded_data_parallel_degree`` > 1 ``step()`` first clips
+    the gradients to the global norm ``sdp_gradient_clipping`` (0 disables), as SMP v1's
+    sharded data parallelism does.
     """
 
     _instance: DistributedOptimizer | None = None
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, loss_scaler: LossScaler | None = None):
+        s = state.require("mp.DistributedOptimizer")
         self.optimizer = optimizer
         self._filtered = False
+        if loss_scaler is not None and s.config.half_precision != "fp16":
+            raise ValueError("a loss_scaler is for fp16=True; the configuration trains in "
+                             f"{s.config.half_precision or 'fp32'}, which needs none")
+        if s.config.half_precision == "fp16" and loss_scaler is None:
+            loss_scaler = LossScaler()
+        self.loss_scaler = loss_scaler
         DistributedOptimizer._instance = self
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last step's gradients overflowed (and the step was skipped)."""
+        return self.loss_scaler is not None and self.loss_scaler.overflow
 
     def _filter(self) -> None:
         model = DistributedModel._instance
@@ -462,7 +552,19 @@ class DistributedOptimizer:
 
     def step(self, *args, **kwargs):
         self._filter()
-        return self.optimizer.step(*args, **kwargs)
+        c = state.require("mp.DistributedOptimizer.step").config
+        if self.loss_scaler is not None and self.loss_scaler.unscale_(self.optimizer):
+            self.loss_scaler.update()  # skipped: the gradients overflowed somewhere
+            return None
+        if c.sharded_data_parallel_degree > 1 and c.sdp_gradient_clipping > 0:
+            clip_grad_norm_(self._params(), c.sdp_gradient_clipping)
+        result = self.optimizer.step(*args, **kwargs)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update()
+        return result
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._filter()
@@ -470,17 +572,19 @@ class DistributedOptimizer:
 
     def local_state_dict(self) -> dict[str, Any]:
         self._filter()
-        return self.optimizer.state_dict()
+        sd = self.optimizer.state_dict()
+        if self.loss_scaler is not None:
+            sd["loss_scaler"] = self.loss_scaler.state_dict()
+        return sd
 
     def state_dict(self) -> list[dict[str, Any]]:
         """Every pipeline stage's optimizer state (SMP gathers them), stage order."""
-        self._filter()
         s = state.require("mp.DistributedOptimizer")
+        local = self.local_state_dict()
         if s.topology.pp == 1:
-            return [self.optimizer.state_dict()]
+            return [local]
         parts: list[Any] = [None] * s.topology.pp
-        dist.all_gather_object(parts, self.optimizer.state_dict(),
-                               group=get_process_group(CommGroup.PP_GROUP))
+        dist.all_gather_object(parts, local, group=get_process_group(CommGroup.PP_GROUP))
         return parts
 
     def load_state_dict(self, state_dict) -> None:
@@ -488,6 +592,10 @@ class DistributedOptimizer:
         if isinstance(state_dict, list):
             s = state.require("mp.DistributedOptimizer")
             state_dict = state_dict[s.topology.coordinate(s.rank)["pp"]]
+        state_dict = dict(state_dict)
+        scaler = state_dict.pop("loss_scaler", None)
+        if scaler is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
         self.optimizer.load_state_dict(state_dict)
 
     def __getattr__(self, name: str):

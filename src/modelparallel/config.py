@@ -28,6 +28,8 @@ MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": "loop", "looped_bfs": "loop",
                          "interleaved_zero_bubble": "loop", "zbv_zero_bubble": "v",
                          "dualpipe_v": "v"}
 PIPELINE_SCHEDULES = (*SINGLE_STAGE_SCHEDULES, *MULTI_STAGE_SCHEDULES)
+# schedules that run a backward for the inputs and a later one for the weights
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
 
 
 class ConfigError(ValueError):
@@ -49,10 +51,21 @@ class ConfigError(ValueError):
 
 def _key(default: Any, doc: str, *, minimum: float | None = None,
          maximum: float | None = None, choices: tuple | None = None,
-         kind: type | tuple[type, ...] | None = None, no_effect: bool = False) -> Any:
-    """Declare one configuration key: its default, meaning and valid range."""
+         kind: type | tuple[type, ...] | None = None, no_effect: str | None = None,
+         not_built: str | None = None) -> Any:
+    """Declare one configuration key: its default, meaning and valid range.
+
+    ``no_effect``: why the key, accepted for compatibility, does nothing here (it only
+    tunes mechanics PyTorch handles itself); a value other than the default is logged
+    once on rank 0 with this reason. ``not_built``: why only the default is accepted
+    (a feature not provided yet); any other value is a ConfigError. Every other key
+    does what SMP documents.
+    """
+    for reason in (no_effect, not_built):
+        assert reason is None or (reason.strip() and "\n" not in reason), reason
+    assert not (no_effect and not_built), "a key is either without effect or refused"
     meta = {"doc": doc, "min": minimum, "max": maximum, "choices": choices,
-            "kind": kind, "no_effect": no_effect}
+            "kind": kind, "no_effect": no_effect, "not_built": not_built}
     return field(default=default, metadata=meta)
 
 
@@ -74,9 +87,11 @@ class Config:
            "ranks and replicate over the rest", minimum=0)
     sharded_data_parallel_degree: int = _key(
         1, "SMP v1 sharded data parallelism; k>=2 means hybrid_shard_degree=k", minimum=1)
-    context_parallel_degree: int = _key(1, "ranks a sequence is split over", minimum=1)
+    context_parallel_degree: int = _key(1, "ranks a sequence is split over", minimum=1,
+                                        not_built="context parallelism is not built yet")
     expert_parallel_degree: int = _key(1, "ranks mixture-of-experts layers are split over",
-                                       minimum=1)
+                                       minimum=1,
+                                       not_built="expert parallelism is not built yet")
     placement_strategy: str = _key(
         "cluster", '"cluster" (= "DPT"), "spread" (= "TPD") or a permutation of D, P, T; '
                    "the right-most letter varies fastest over ranks")
@@ -97,56 +112,100 @@ class Config:
         kind=(int, float))
     optimize: str = _key("memory", "trade memory for speed in distributed modules",
                          choices=("memory", "speed"))
-    contiguous: bool = _key(True, "pipeline stages are contiguous")
-    deterministic_server: bool = _key(False, "execute pipeline requests in the same order "
-                                             "on every rank (always true here)")
-    skip_tracing: bool = _key(False, "skip the tracing step of auto-partitioning")
+    contiguous: bool = _key(
+        True, "pipeline stages are contiguous",
+        no_effect="pipeline stages are always contiguous ranges of layers here")
+    deterministic_server: bool = _key(
+        False, "execute pipeline requests in the same order on every rank",
+        no_effect="every rank runs the same static pipeline schedule, so requests are "
+                  "always processed in the same order")
+    skip_tracing: bool = _key(
+        False, "skip the tracing step of auto-partitioning",
+        no_effect="the automatic split needs one traced microbatch, which is cheap, so it "
+                  "always traces")
+    static_mode: bool = _key(
+        False, "internal SMP v1 pipeline switch: skip the request/response exchange when "
+               "steps do not change",
+        no_effect="there is no request/response exchange to skip: every rank runs a fixed "
+                  "torch.distributed.pipelining schedule each step")
+    fast_mode: bool = _key(
+        False, "internal SMP v1 pipeline switch: send tensors child-to-child instead of via "
+               "the parent",
+        no_effect="stages always send activations directly to the next stage "
+                  "(torch.distributed.pipelining point-to-point); there is no parent relay")
     # -- data parallel ---------------------------------------------------------------
     ddp: bool = _key(False, "use DistributedDataParallel for the data-parallel dimension")
-    ddp_port: int | None = _key(None, "port for the DDP process group (the launcher's "
-                                      "MASTER_PORT is used)", minimum=1, maximum=65535)
+    ddp_port: int | None = _key(
+        None, "port for the DDP process group", minimum=1, maximum=65535,
+        no_effect="the default process group uses the launcher's rendezvous "
+                  "(MASTER_ADDR/MASTER_PORT); data-parallel groups are sub-groups of it")
+    overlapping_allreduce: bool = _key(
+        True, "overlap the gradient all-reduce with the backward pass",
+        no_effect="FSDP and DDP always overlap gradient reduction with the backward pass here")
     ddp_dist_backend: str = _key("auto", "process group backend",
                                  choices=("auto", "nccl", "gloo"))
     collective_timeout: float = _key(
         600, "seconds a collective may wait for the other ranks before it fails with an "
              "error (default group and every sub-group; must be > 0)", kind=(int, float))
-    horovod: bool = _key(False, "TensorFlow/Horovod data parallelism")
+    horovod: bool = _key(False, "TensorFlow/Horovod data parallelism",
+                         not_built="modelparallel uses torch.distributed, not Horovod")
     prescaled_batch: bool = _key(
         False, "ranks of one tensor-parallel group read the same batch (sample by rdp_rank); "
         "False: each reads its own and the group concatenates them")
-    shard_optimizer_state: bool = _key(False, "shard optimizer state over data-parallel ranks")
+    shard_optimizer_state: bool = _key(
+        False, "shard optimizer state over data-parallel ranks",
+        not_built="use hybrid_shard_degree to shard optimizer state with FSDP")
     # -- precision -------------------------------------------------------------------
     bf16: bool = _key(False, "bfloat16 mixed precision")
     fp16: bool = _key(False, "float16 mixed precision")
     fp16_params: bool = _key(False, "SMP v1.6-1.9 name of fp16")
     # -- memory ----------------------------------------------------------------------
-    offload_activations: bool = _key(False, "offload checkpointed activations to CPU")
-    sm_activation_offloading: bool = _key(False, "SMP v2 name of offload_activations")
+    offload_activations: bool = _key(False, "offload checkpointed activations to CPU",
+                                     not_built="activation offloading is not built yet")
+    sm_activation_offloading: bool = _key(False, "SMP v2 name of offload_activations",
+                                          not_built="activation offloading is not built yet")
     activation_loading_horizon: int = _key(
-        4, "how early offloaded activations are loaded back", minimum=1)
+        4, "how many offloaded activations may be back on the GPU awaiting backward "
+           "(only meaningful with activation offloading)", minimum=1,
+        not_built="activation offloading is not built yet")
     delayed_parameter_initialization: bool = _key(
-        False, "initialize parameters only after they are sharded")
+        False, "initialize parameters only after they are sharded",
+        not_built="delayed parameter initialization is not built yet")
     # -- tensor parallel -------------------------------------------------------------
     random_seed: int = _key(12345, "seed of the random state of distributed modules",
                             minimum=0)
-    allow_empty_shards: bool = _key(False, "allow tensor-parallel shards with no elements",
-                                    no_effect=True)
-    fsdp_cache_flush_warnings: bool = _key(True, "warn when the CUDA caching allocator "
-                                                 "flushes", no_effect=True)
-    predefined_hooks: bool = _key(True, "built-in hooks for Hugging Face models",
-                                  no_effect=True)
-    # -- SMP v1 sharded data parallelism tuning (FSDP2 decides these per block) --------
-    sdp_reduce_bucket_size: int = _key(500_000_000, "gradient bucket size", minimum=1,
-                                       no_effect=True)
-    sdp_param_persistence_threshold: int = _key(1_000_000, "parameters below this many "
-                                                "elements stay unsharded", minimum=0,
-                                                no_effect=True)
-    sdp_max_live_parameters: int = _key(1_000_000_000, "most parameters gathered at once",
-                                        minimum=1, no_effect=True)
-    sdp_hierarchical_allgather: bool = _key(True, "all-gather within nodes first",
-                                            no_effect=True)
-    sdp_gradient_clipping: float = _key(1.0, "gradient norm clipping threshold", minimum=0.0,
-                                        kind=(int, float), no_effect=True)
+    tensor_parallel_seed: int = _key(
+        0, "seed of the random ops in the regions of tensor-parallel plans marked "
+           "replicated (SMP v1): the same on every tensor-parallel rank, so their masks agree",
+        minimum=0)
+    allow_empty_shards: bool = _key(
+        False, "allow tensor-parallel shards with no elements",
+        no_effect="FSDP2 holds each sharded parameter as a DTensor, which torch splits "
+                  "unevenly, empty shards included, by itself")
+    fsdp_cache_flush_warnings: bool = _key(
+        True, "warn when the CUDA caching allocator flushes",
+        no_effect="SMP v2's allocator-flush detector is not reimplemented; "
+                  "torch.cuda.memory_stats()['num_alloc_retries'] counts the flushes")
+    predefined_hooks: bool = _key(
+        True, "built-in hooks for Hugging Face models",
+        no_effect="tensor parallelism keeps the model's own parameter names and full "
+                  "shapes, so state dicts need no translation hooks")
+    # -- SMP v1 sharded data parallelism (FSDP2 decides the tuning keys per block) ----
+    sdp_reduce_bucket_size: int = _key(
+        500_000_000, "gradient bucket size", minimum=1,
+        no_effect="FSDP reduce-scatters each wrapped block's gradients as one bucket")
+    sdp_param_persistence_threshold: int = _key(
+        1_000_000, "parameters below this many elements stay unsharded", minimum=0,
+        no_effect="FSDP shards every parameter of a wrapped block, whatever its size")
+    sdp_max_live_parameters: int = _key(
+        1_000_000_000, "most parameters gathered at once", minimum=1,
+        no_effect="FSDP gathers one wrapped block at a time, prefetching only the next one")
+    sdp_hierarchical_allgather: bool = _key(
+        True, "all-gather within nodes first",
+        no_effect="NCCL chooses the all-gather algorithm and topology itself")
+    sdp_gradient_clipping: float = _key(
+        1.0, "gradient norm clipping threshold applied by DistributedOptimizer.step when "
+             "sharded_data_parallel_degree > 1 (0 disables)", minimum=0.0, kind=(int, float))
 
     # ---------------------------------------------------------------------------------
     @classmethod
@@ -182,10 +241,28 @@ class Config:
         merged = {**script, **launcher}
         config = cls(**merged)
         config._check_values(warn=rank0)
+        given = source.explicit if isinstance(source, Config) else script.keys()
+        config._explicit = frozenset(given) | frozenset(launcher)
         return config
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def explicit(self) -> frozenset[str]:
+        """The keys the user set (script and ``MP_CONFIG`` merged; aliases resolved to
+        their canonical names), even where the value equals the default: tells
+        ``hybrid_shard_degree`` left alone from ``hybrid_shard_degree: 0``.
+
+        Set by :meth:`load` (a Config passed to ``load`` keeps its own). A Config built
+        directly (``Config(...)``, ``dataclasses.replace``) cannot tell, and reports the
+        keys whose value differs from the default.
+        """
+        given = self.__dict__.get("_explicit")
+        if given is None:
+            given = frozenset(f.name for f in dataclasses.fields(self)
+                              if getattr(self, f.name) != f.default)
+        return given
 
     # -- derived values ---------------------------------------------------------------
     @property
@@ -252,8 +329,25 @@ class Config:
                 problems.append((key, f"{degree} does not divide the data-parallel size {dp} "
                                       f"(world size {world_size} / {product} model-parallel "
                                       f"ranks); valid values: {valid}"))
+            elif (self.pipeline_parallel_degree > 1
+                  and self.pipeline in SPLIT_BACKWARD_SCHEDULES
+                  and self.pipeline_shards(dp if degree == 0 else degree)):
+                problems.append(("pipeline", (
+                    f"{self.pipeline!r} computes weight gradients in a separate pass after "
+                    "the input gradients, which FSDP's sharded data parallelism (here over "
+                    f"{dp if degree == 0 else degree} ranks) cannot follow; use "
+                    "'interleaved_1f1b' or 'interleaved', or replicas (ddp=True, or "
+                    "hybrid_shard_degree=1)")))
         if problems:
             raise ConfigError(problems)
+
+    def pipeline_shards(self, dp_shard: int) -> bool:
+        """Whether DistributedModel shards parameters with FSDP over ``dp_shard`` ranks
+        (else replicas all-reduce): ``ddp=True`` asks for replicas unless sharding is
+        asked for explicitly (``sharded_data_parallel_degree`` > 1 or
+        ``hybrid_shard_degree`` >= 2)."""
+        explicit = self.sharded_data_parallel_degree > 1 or self.hybrid_shard_degree >= 2
+        return dp_shard > 1 and (not self.ddp or explicit)
 
     def _model_parallel_product(self) -> int:
         return (self.tensor_parallel_degree * self.pipeline_parallel_degree
@@ -275,8 +369,8 @@ class Config:
             raise ConfigError(problems)
         for f in dataclasses.fields(self):
             if warn and f.metadata["no_effect"] and getattr(self, f.name) != f.default:
-                logger.warning("%s=%r is accepted for compatibility but has no effect in "
-                               "modelparallel", f.name, getattr(self, f.name))
+                logger.warning("%s=%r has no effect in modelparallel: %s",
+                               f.name, getattr(self, f.name), f.metadata["no_effect"])
 
     def _check_combinations(self) -> list[tuple[str, str]]:
         problems = []
@@ -351,16 +445,13 @@ class Config:
 _DEGREE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree",
                 "context_parallel_degree", "expert_parallel_degree")
 
-# Keys whose non-default values name features this library does not provide yet.
-_NOT_BUILT = {
-    "context_parallel_degree": "context parallelism is not built yet",
-    "expert_parallel_degree": "expert parallelism is not built yet",
-    "horovod": "modelparallel uses torch.distributed, not Horovod",
-    "shard_optimizer_state": "use hybrid_shard_degree to shard optimizer state with FSDP",
-    "offload_activations": "activation offloading is not built yet",
-    "sm_activation_offloading": "activation offloading is not built yet",
-    "delayed_parameter_initialization": "delayed parameter initialization is not built yet",
-}
+# Keys whose non-default values name features this library does not provide yet
+# (declared with ``not_built=`` on the key).
+_NOT_BUILT = {f.name: f.metadata["not_built"] for f in dataclasses.fields(Config)
+              if f.metadata["not_built"]}
+# Keys accepted for compatibility that do nothing here, with the reason.
+NO_EFFECT = {f.name: f.metadata["no_effect"] for f in dataclasses.fields(Config)
+             if f.metadata["no_effect"]}
 
 
 def _divisors(n: int) -> list[int]:
@@ -500,10 +591,16 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def describe_keys() -> str:
-    """A table of every key with its default and meaning (for ``check-config --list``)."""
+    """A table of every key with its default and meaning (for ``check-config --list``),
+    one line per key; keys without effect and refused keys say so, and why."""
     rows = []
     for f in dataclasses.fields(Config):
         alias = [a for a, n in ALIASES.items() if n == f.name]
         name = f.name + (f" (alias: {', '.join(alias)})" if alias else "")
-        rows.append(f"{name:45} default={f.default!r:14} {f.metadata['doc']}")
+        row = f"{name:45} default={f.default!r:14} {f.metadata['doc']}"
+        if f.metadata["no_effect"]:
+            row += f" [no effect here: {f.metadata['no_effect']}]"
+        elif f.metadata["not_built"]:
+            row += f" [only the default is accepted: {f.metadata['not_built']}]"
+        rows.append(row)
     return "\n".join(rows)

@@ -22,7 +22,8 @@ def test_batch_script(jobs, tmp_path):
     spec = jobs.estimator("contract.py", instance_count=3, max_run=90, backend="slurm",
                           backend_options={"partition": "gpu", "account": "ml",
                                            "sbatch_args": ["--gres=gpu:8"]},
-                          job_name="scripted").prepare({"train": str(tmp_path / "data")})
+                          job_name="scripted").prepare({"train": str(tmp_path / "data")},
+                                                       to_run=False)  # no sbatch needed
     script = SlurmBackend(spec.backend_options).render(
         JobContext(spec, JobLayout(jobs.dir / spec.name), attempt=2))
     for line in ("#SBATCH --job-name=scripted", "#SBATCH --nodes=3",

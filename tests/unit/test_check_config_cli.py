@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import subprocess
 import sys
 
@@ -101,13 +103,49 @@ class TestInvalidFile:
         assert "give a FILE or --list" in err
 
 
+def list_lines(out: str) -> dict[str, str]:
+    """--list output by key."""
+    return {line.split()[0]: line for line in out.splitlines()}
+
+
+class TestNoEffectAndRefusedKeys:
+    """A file setting a no-effect key passes, with the one-line reason logged; a refused
+    key fails with the reason."""
+
+    def test_no_effect_key_passes_and_says_why(self, capsys, caplog, tmp_path):
+        caplog.set_level(logging.DEBUG, logger="modelparallel")
+        path = tmp_path / "mp.yaml"
+        path.write_text("ddp_port: 29500\nstatic_mode: true\n")
+        code, out, _ = check_config(capsys, str(path))
+        assert code == 0
+        assert f"{path}: OK (2 keys set)" in out
+        msgs = sorted(r.getMessage() for r in caplog.records)
+        assert msgs == [
+            "ddp_port=29500 has no effect in modelparallel: the default process group uses "
+            "the launcher's rendezvous (MASTER_ADDR/MASTER_PORT); data-parallel groups are "
+            "sub-groups of it",
+            "static_mode=True has no effect in modelparallel: there is no request/response "
+            "exchange to skip: every rank runs a fixed torch.distributed.pipelining schedule "
+            "each step",
+        ]
+
+    def test_refused_key_fails_with_reason(self, capsys, tmp_path):
+        path = tmp_path / "mp.yaml"
+        path.write_text("activation_loading_horizon: 2\n")
+        code, out, err = check_config(capsys, str(path))
+        assert code == 1
+        assert "OK" not in out
+        assert ("activation_loading_horizon: 2 is not supported yet (activation offloading is "
+                "not built yet); valid value: 4") in err
+
+
 class TestList:
     """--list prints every key with its default and notes the alias."""
 
     def test_list(self, capsys):
         code, out, _ = check_config(capsys, "--list")
         assert code == 0
-        lines = {line.split()[0]: line for line in out.splitlines()}
+        lines = list_lines(out)
         for key, default in [("tensor_parallel_degree", "1"), ("microbatches", "1"),
                              ("pipeline", "'interleaved'"), ("placement_strategy", "'cluster'"),
                              ("hybrid_shard_degree", "0"), ("memory_weight", "None"),
@@ -119,6 +157,35 @@ class TestList:
         _, out, _ = check_config(capsys, "--list")
         listed = [line.split()[0] for line in out.splitlines()]
         assert listed == list(Config.__dataclass_fields__)
+
+    @pytest.mark.parametrize("f", [f for f in dataclasses.fields(Config)
+                                   if f.metadata["no_effect"]], ids=lambda f: f.name)
+    def test_list_says_which_keys_have_no_effect_and_why(self, capsys, f):
+        _, out, _ = check_config(capsys, "--list")
+        line = list_lines(out)[f.name]
+        assert line.endswith(f" [no effect here: {f.metadata['no_effect']}]")
+
+    @pytest.mark.parametrize("f", [f for f in dataclasses.fields(Config)
+                                   if f.metadata["not_built"]], ids=lambda f: f.name)
+    def test_list_says_which_keys_are_refused_and_why(self, capsys, f):
+        _, out, _ = check_config(capsys, "--list")
+        line = list_lines(out)[f.name]
+        assert line.endswith(f" [only the default is accepted: {f.metadata['not_built']}]")
+
+    def test_list_keys_with_an_effect_carry_no_note(self, capsys):
+        _, out, _ = check_config(capsys, "--list")
+        lines = list_lines(out)
+        for f in dataclasses.fields(Config):
+            if not (f.metadata["no_effect"] or f.metadata["not_built"]):
+                assert "[" not in lines[f.name], f.name
+        assert "no effect" not in lines["sdp_gradient_clipping"]
+        assert "DistributedOptimizer.step" in lines["sdp_gradient_clipping"]
+        assert "default=0 " in lines["tensor_parallel_seed"]
+        assert lines["ddp_port"].endswith(
+            "[no effect here: the default process group uses the launcher's rendezvous "
+            "(MASTER_ADDR/MASTER_PORT); data-parallel groups are sub-groups of it]")
+        assert lines["activation_loading_horizon"].endswith(
+            "[only the default is accepted: activation offloading is not built yet]")
 
     def test_list_with_file_checks_it_too(self, capsys, valid_file):
         code, out, _ = check_config(capsys, "--list", valid_file)

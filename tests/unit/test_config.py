@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -71,6 +72,11 @@ class TestDefaults:
         ("bf16", False),
         ("fp16", False),
         ("collective_timeout", 600),
+        ("tensor_parallel_seed", 0),
+        ("static_mode", False),
+        ("fast_mode", False),
+        ("overlapping_allreduce", True),
+        ("sdp_gradient_clipping", 1.0),
     ])
     def test_default(self, key, default):
         value = getattr(load(), key)
@@ -400,20 +406,6 @@ class TestCombinations:
         config = load({"sharded_data_parallel_degree": 2, "hybrid_shard_degree": hybrid})
         assert config.shard_size(8) == 2
 
-    @pytest.mark.parametrize(("key", "value", "valid"), [
-        ("context_parallel_degree", 2, 1),
-        ("expert_parallel_degree", 2, 1),
-        ("horovod", True, False),
-        ("shard_optimizer_state", True, False),
-        ("offload_activations", True, False),
-        ("sm_activation_offloading", True, False),
-        ("delayed_parameter_initialization", True, False),
-    ])
-    def test_not_built_features(self, key, value, valid):
-        msg = message_for(error_of({key: value}), key)
-        assert msg.startswith(f"{value!r} is not supported yet")
-        assert msg.endswith(f"valid value: {valid!r}")
-
     @pytest.mark.parametrize("value", [0, 0.0, -5, float("inf"), float("nan")])
     def test_collective_timeout_must_be_positive_and_finite(self, value):
         msg = message_for(error_of({"collective_timeout": value}), "collective_timeout")
@@ -444,30 +436,289 @@ class TestCombinations:
         assert err.keys == ["tensor_paralel_degree", "microbatch"]
 
 
+# Every key with an effect: it does what SMP documents. A key added to Config must be
+# put here, given a no-effect reason, or refused when not at its default (not_built).
+EFFECT_KEYS = {
+    "tensor_parallel_degree", "pipeline_parallel_degree", "hybrid_shard_degree",
+    "sharded_data_parallel_degree", "placement_strategy", "microbatches", "pipeline",
+    "virtual_stages", "active_microbatches", "auto_partition", "default_partition",
+    "memory_weight", "optimize", "ddp", "ddp_dist_backend", "collective_timeout",
+    "prescaled_batch", "bf16", "fp16", "fp16_params", "random_seed", "tensor_parallel_seed",
+    "sdp_gradient_clipping",
+}
+
+# key: (a non-default value, the reason logged)
+NO_EFFECT = {
+    "contiguous": (False, "pipeline stages are always contiguous ranges of layers here"),
+    "deterministic_server": (True, "every rank runs the same static pipeline schedule, so "
+                                   "requests are always processed in the same order"),
+    "skip_tracing": (True, "the automatic split needs one traced microbatch, which is cheap, "
+                           "so it always traces"),
+    "static_mode": (True, "there is no request/response exchange to skip: every rank runs a "
+                          "fixed torch.distributed.pipelining schedule each step"),
+    "fast_mode": (True, "stages always send activations directly to the next stage "
+                        "(torch.distributed.pipelining point-to-point); there is no parent "
+                        "relay"),
+    "ddp_port": (29500, "the default process group uses the launcher's rendezvous "
+                        "(MASTER_ADDR/MASTER_PORT); data-parallel groups are sub-groups of it"),
+    "overlapping_allreduce": (False, "FSDP and DDP always overlap gradient reduction with the "
+                                     "backward pass here"),
+    "allow_empty_shards": (True, "FSDP2 holds each sharded parameter as a DTensor, which torch "
+                                 "splits unevenly, empty shards included, by itself"),
+    "fsdp_cache_flush_warnings": (False, "SMP v2's allocator-flush detector is not "
+                                         "reimplemented; torch.cuda.memory_stats()"
+                                         "['num_alloc_retries'] counts the flushes"),
+    "predefined_hooks": (False, "tensor parallelism keeps the model's own parameter names and "
+                                "full shapes, so state dicts need no translation hooks"),
+    "sdp_reduce_bucket_size": (100_000_000, "FSDP reduce-scatters each wrapped block's "
+                                            "gradients as one bucket"),
+    "sdp_param_persistence_threshold": (0, "FSDP shards every parameter of a wrapped block, "
+                                           "whatever its size"),
+    "sdp_max_live_parameters": (10, "FSDP gathers one wrapped block at a time, prefetching "
+                                    "only the next one"),
+    "sdp_hierarchical_allgather": (False, "NCCL chooses the all-gather algorithm and topology "
+                                          "itself"),
+}
+
+# key: (a non-default value, the whole ConfigError message for the key)
+REFUSED = {
+    "context_parallel_degree": (2, "2 is not supported yet (context parallelism is not built "
+                                   "yet); valid value: 1"),
+    "expert_parallel_degree": (2, "2 is not supported yet (expert parallelism is not built "
+                                  "yet); valid value: 1"),
+    "horovod": (True, "True is not supported yet (modelparallel uses torch.distributed, not "
+                      "Horovod); valid value: False"),
+    "shard_optimizer_state": (True, "True is not supported yet (use hybrid_shard_degree to "
+                                    "shard optimizer state with FSDP); valid value: False"),
+    "offload_activations": (True, "True is not supported yet (activation offloading is not "
+                                  "built yet); valid value: False"),
+    "sm_activation_offloading": (True, "True is not supported yet (activation offloading is "
+                                       "not built yet); valid value: False"),
+    "activation_loading_horizon": (2, "2 is not supported yet (activation offloading is not "
+                                      "built yet); valid value: 4"),
+    "delayed_parameter_initialization": (True, "True is not supported yet (delayed parameter "
+                                               "initialization is not built yet); valid value: "
+                                               "False"),
+}
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "modelparallel" and r.levelno >= logging.WARNING]
+
+
+class TestEveryKeyDecided:
+    """Every key has an effect, is marked no-effect with a reason, or is refused when set."""
+
+    @pytest.mark.parametrize("f", dataclasses.fields(Config), ids=lambda f: f.name)
+    def test_key_is_effect_no_effect_or_refused(self, f):
+        reason, not_built = f.metadata["no_effect"], f.metadata["not_built"]
+        kinds = [f.name in EFFECT_KEYS, reason is not None, not_built is not None]
+        assert sum(kinds) == 1, (f"{f.name}: decide whether it has an effect (EFFECT_KEYS), "
+                                 f"no effect (no_effect=reason) or is refused (not_built=)")
+        if reason is not None:
+            assert isinstance(reason, str) and reason.strip() and "\n" not in reason
+            assert f.name in NO_EFFECT, f"{f.name}: add its value and message to NO_EFFECT"
+        if not_built is not None:
+            assert f.name in REFUSED, f"{f.name}: add its value and message to REFUSED"
+            value = (not f.default) if isinstance(f.default, bool) else f.default + 1
+            msg = message_for(error_of({f.name: value}), f.name)
+            assert msg == f"{value!r} is not supported yet ({not_built}); " \
+                          f"valid value: {f.default!r}"
+
+    def test_tables_name_only_real_keys(self):
+        fields = set(Config.__dataclass_fields__)
+        assert set(EFFECT_KEYS) <= fields
+        assert set(NO_EFFECT) <= fields
+        assert set(REFUSED) <= fields
+        assert not (set(EFFECT_KEYS) & set(NO_EFFECT)) and not (set(EFFECT_KEYS) & set(REFUSED))
+
+    @pytest.mark.parametrize("key", sorted(EFFECT_KEYS))
+    def test_effect_keys_have_no_reason(self, key):
+        meta = Config.__dataclass_fields__[key].metadata
+        assert meta["no_effect"] is None and meta["not_built"] is None
+
+
 class TestNoEffectKeys:
-    """Keys kept for compatibility warn when set to anything but their default."""
+    """Keys kept for compatibility log one line, on rank 0, when set to anything but their
+    default: the key, the value and why it has no effect here."""
+
+    @pytest.mark.parametrize(("key", "value", "reason"),
+                             [(k, v, r) for k, (v, r) in NO_EFFECT.items()])
+    def test_no_effect_key_logs_its_reason(self, caplog, key, value, reason):
+        caplog.set_level(logging.DEBUG, logger="modelparallel")
+        assert getattr(load({key: value}, RANK="0"), key) == value
+        assert Config.__dataclass_fields__[key].default != value
+        assert len(caplog.records) == 1
+        record = caplog.records[0]
+        assert record.levelno == logging.WARNING
+        assert record.getMessage() == f"{key}={value!r} has no effect in modelparallel: {reason}"
+        assert "\n" not in record.getMessage()
+
+    @pytest.mark.parametrize(("key", "value"), [(k, v) for k, (v, _) in NO_EFFECT.items()])
+    def test_no_effect_key_silent_on_other_ranks(self, caplog, key, value):
+        caplog.set_level(logging.DEBUG, logger="modelparallel")
+        assert getattr(Config.load({key: value}, environ={"RANK": "1"}), key) == value
+        assert caplog.records == []
+
+    def test_several_no_effect_keys_one_line_each(self, caplog):
+        caplog.set_level(logging.DEBUG, logger="modelparallel")
+        load({"ddp_port": 29500, "contiguous": False, "overlapping_allreduce": False})
+        msgs = warnings_of(caplog)
+        assert len(msgs) == 3
+        for key in ("ddp_port", "contiguous", "overlapping_allreduce"):
+            assert sum(m.startswith(f"{key}=") for m in msgs) == 1
+
+    def test_no_effect_key_from_mp_config_logs_its_reason(self, caplog):
+        caplog.set_level(logging.DEBUG, logger="modelparallel")
+        load({}, MP_CONFIG=json.dumps({"static_mode": True}), RANK="0")
+        msgs = [m for m in warnings_of(caplog) if "has no effect" in m]
+        assert msgs == [f"static_mode=True has no effect in modelparallel: "
+                        f"{NO_EFFECT['static_mode'][1]}"]
+
+    @pytest.mark.parametrize("key", list(NO_EFFECT))
+    def test_no_effect_key_at_default_is_silent(self, caplog, key):
+        caplog.set_level(logging.DEBUG, logger="modelparallel")
+        load({key: Config.__dataclass_fields__[key].default, "tensor_parallel_degree": 2})
+        assert caplog.records == []
 
     @pytest.mark.parametrize(("key", "value"), [
-        ("sdp_reduce_bucket_size", 100_000_000),
-        ("allow_empty_shards", True),
-        ("sdp_gradient_clipping", 0.5),
+        ("ddp_port", "29500"), ("static_mode", 1), ("fast_mode", "yes"),
+        ("overlapping_allreduce", None), ("ddp_port", 0),
     ])
-    def test_no_effect_key_warns(self, caplog, key, value):
-        caplog.set_level(logging.WARNING, logger="modelparallel")
+    def test_no_effect_keys_are_still_type_checked(self, key, value):
+        assert error_of({key: value}).keys == [key]
+
+    @pytest.mark.parametrize(("key", "value"), [
+        ("sdp_gradient_clipping", 0.5), ("sdp_gradient_clipping", 0),
+        ("tensor_parallel_seed", 7), ("optimize", "speed"),
+    ])
+    def test_keys_with_an_effect_do_not_claim_none(self, caplog, key, value):
+        caplog.set_level(logging.DEBUG, logger="modelparallel")
         assert getattr(load({key: value}), key) == value
-        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert len(msgs) == 1
-        assert msgs[0].startswith(f"{key}={value!r}") and "has no effect" in msgs[0]
-
-    def test_no_effect_key_warns_on_rank_0_only(self, caplog):
-        caplog.set_level(logging.DEBUG, logger="modelparallel")
-        load({"allow_empty_shards": True}, RANK="1")
         assert caplog.records == []
 
-    def test_no_effect_key_at_default_is_silent(self, caplog):
+
+class TestRefusedKeys:
+    """Features not built yet: any value but the default is a ConfigError saying so."""
+
+    @pytest.mark.parametrize(("key", "value", "expected"),
+                             [(k, v, m) for k, (v, m) in REFUSED.items()])
+    def test_refused_key_message(self, key, value, expected):
+        err = error_of({key: value})
+        assert err.keys == [key]
+        assert message_for(err, key) == expected
+        assert f"  - {key}: {expected}" in str(err)
+
+    @pytest.mark.parametrize(("key", "value"), [(k, v) for k, (v, _) in REFUSED.items()])
+    def test_refused_key_refused_on_every_rank(self, key, value):
+        assert error_of({key: value}, RANK="3").keys == [key]
+
+    @pytest.mark.parametrize("key", list(REFUSED))
+    def test_refused_key_at_default_accepted(self, caplog, key):
         caplog.set_level(logging.DEBUG, logger="modelparallel")
-        load({"sdp_reduce_bucket_size": 500_000_000, "tensor_parallel_degree": 2})
+        default = Config.__dataclass_fields__[key].default
+        assert getattr(load({key: default}), key) == default
         assert caplog.records == []
+
+    @pytest.mark.parametrize("value", [1, 3, 8])
+    def test_activation_loading_horizon_other_values_refused(self, value):
+        msg = message_for(error_of({"activation_loading_horizon": value}),
+                          "activation_loading_horizon")
+        assert msg == (f"{value} is not supported yet (activation offloading is not built "
+                       f"yet); valid value: 4")
+
+    def test_refused_key_from_mp_config(self):
+        err = error_of({}, MP_CONFIG=json.dumps({"activation_loading_horizon": 2}))
+        assert message_for(err, "activation_loading_horizon") == \
+            REFUSED["activation_loading_horizon"][1]
+
+
+class TestTensorParallelSeed:
+    """SMP v1's tensor_parallel_seed: an int >= 0, default 0."""
+
+    @pytest.mark.parametrize("value", [0, 1, 12345, 2**31])
+    def test_accepted(self, value):
+        config = load({"tensor_parallel_seed": value})
+        assert config.tensor_parallel_seed == value
+        assert type(config.tensor_parallel_seed) is int
+
+    def test_integral_float_accepted(self):
+        config = load({"tensor_parallel_seed": 7.0})
+        assert config.tensor_parallel_seed == 7 and type(config.tensor_parallel_seed) is int
+
+    @pytest.mark.parametrize(("value", "expected"), [
+        (-1, "-1 is out of range; must be >= 0"),
+        (1.5, "1.5 has type float; expected int"),
+        ("3", "'3' has type str; expected int"),
+        (True, "True has type bool; expected int"),
+        (None, "must not be null; default is 0"),
+    ])
+    def test_invalid(self, value, expected):
+        err = error_of({"tensor_parallel_seed": value})
+        assert err.keys == ["tensor_parallel_seed"]
+        assert message_for(err, "tensor_parallel_seed") == expected
+
+    def test_from_mp_config(self):
+        assert load(MP_CONFIG=json.dumps({"tensor_parallel_seed": 3})).tensor_parallel_seed == 3
+
+
+class TestExplicitKeys:
+    """Config.explicit: the keys the user set, even to the default value."""
+
+    def test_nothing_set(self):
+        assert load().explicit == frozenset()
+        assert load({}).explicit == frozenset()
+
+    def test_default_value_set_explicitly(self):
+        given, left = load({"hybrid_shard_degree": 0}), load()
+        assert given.hybrid_shard_degree == left.hybrid_shard_degree == 0
+        assert given.explicit == frozenset({"hybrid_shard_degree"})
+        assert "hybrid_shard_degree" not in left.explicit
+
+    def test_is_a_frozenset(self):
+        assert isinstance(load({"microbatches": 2}).explicit, frozenset)
+
+    def test_alias_resolved(self):
+        assert load({"partitions": 2}).explicit == frozenset({"pipeline_parallel_degree"})
+
+    def test_script_and_mp_config_merged(self):
+        config = load({"microbatches": 2, "ddp": True},
+                      MP_CONFIG=json.dumps({"partitions": 2, "microbatches": 2}))
+        assert config.explicit == frozenset({"microbatches", "ddp", "pipeline_parallel_degree"})
+
+    def test_wrapper_and_file(self, tmp_path):
+        path = tmp_path / "mp.yaml"
+        path.write_text("hybrid_shard_degree: 0\npartitions: 1\n")
+        expected = frozenset({"hybrid_shard_degree", "pipeline_parallel_degree"})
+        assert load(path).explicit == expected
+        wrapped = {"enabled": True, "parameters": {"hybrid_shard_degree": 0, "partitions": 1}}
+        assert load(wrapped).explicit == expected
+
+    def test_not_a_field_and_not_compared(self):
+        given = load({"hybrid_shard_degree": 0})
+        assert given == load()
+        assert given.to_dict() == load().to_dict()
+        assert "explicit" not in given.to_dict() and "_explicit" not in given.to_dict()
+        assert "explicit" not in Config.__dataclass_fields__
+        assert "explicit" not in repr(given)
+
+    def test_read_only(self):
+        config = load({"microbatches": 2})
+        with pytest.raises(AttributeError):
+            config.explicit = frozenset()  # type: ignore[misc]
+
+    def test_loading_a_config_keeps_its_explicit_keys(self):
+        first = load({"hybrid_shard_degree": 0})
+        assert load(first).explicit == frozenset({"hybrid_shard_degree"})
+        again = load(first, MP_CONFIG=json.dumps({"microbatches": 4}))
+        assert again.explicit == frozenset({"hybrid_shard_degree", "microbatches"})
+
+    def test_config_built_directly_reports_non_default_keys(self):
+        assert Config(tensor_parallel_degree=2).explicit == frozenset({"tensor_parallel_degree"})
+        assert Config().explicit == frozenset()
+        assert dataclasses.replace(load({"hybrid_shard_degree": 0}), microbatches=2).explicit \
+            == frozenset({"microbatches"})
 
 
 class TestWorldSize:

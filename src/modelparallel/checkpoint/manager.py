@@ -55,7 +55,8 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
                     model: nn.Module | None = None, optimizer: Any = None,
                     user_content: Any = None, num_kept_partial_checkpoints: int | None = None,
                     translate_if_full: bool = True, *, lr_scheduler: Any = None,
-                    data_loader: Any = None, step: int | None = None) -> None:
+                    data_loader: Any = None, step: int | None = None,
+                    loss_scaler: Any = None) -> None:
     """Save a resumable checkpoint as ``path/tag`` and make it the newest. Collective.
 
     ``partial=True``: each rank writes what it holds (DCP); loads under any layout.
@@ -64,23 +65,28 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
     ``optimizer`` default to the ``DistributedModel`` / ``DistributedOptimizer``.
     ``user_content`` (tensors, numbers, strings, lists, dicts) comes back from
     :func:`resume_from_checkpoint`; so do ``lr_scheduler``, ``data_loader`` (its
-    position) and ``step`` (see :func:`info`). ``num_kept_partial_checkpoints`` keeps
+    position), ``loss_scaler`` (fp16's :class:`~modelparallel.LossScaler`; default: the
+    DistributedOptimizer's) and ``step`` (see :func:`info`).
+    ``num_kept_partial_checkpoints`` keeps
     only the newest N checkpoints under ``path``. ``translate_if_full`` is accepted for
     SMP compatibility (names are always the single-device model's).
     """
     s = state.require("mp.save_checkpoint")
     _check_tag(tag)
     guard.check_every_rank_calls(f"save_checkpoint({os.fspath(path)!r}, tag={tag!r})")
-    module, optim, dm = states.unwrap(*_defaults(model, optimizer))
+    model, optimizer = _defaults(model, optimizer)
+    scaler = _scaler(loss_scaler, optimizer)
+    module, optim, dm = states.unwrap(model, optimizer)
     small = {"user_content": user_content, "step": step,
              "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-             "data_loader": _loader_state(data_loader)}
+             "data_loader": _loader_state(data_loader),
+             "loss_scaler": scaler.state_dict() if scaler is not None else None}
     small_bytes = states.check_safe("user_content", small)  # fail before writing anything
     location = Location(path)
     on_coordinator(lambda: (location.writable(), _remove_leftovers(location)))
     tmp = temporary_name(tag)
     rank = dist.get_rank()
-    location.write_bytes(states.check_safe("rng", states.rng_state()), tmp, "rng",
+    location.write_bytes(states.check_safe("rng", states.rng_state(module)), tmp, "rng",
                          f"rank{rank}.pt")
     manifest = {"format": FORMAT, "tag": tag, "partial": partial, "step": step,
                 "world_size": dist.get_world_size(), "layout": s.topology.describe(),
@@ -120,16 +126,18 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
                            partial: bool = True, strict: bool = True,
                            load_optimizer: bool = True, *, model: nn.Module | None = None,
                            optimizer: Any = None, lr_scheduler: Any = None,
-                           data_loader: Any = None, **_smp_options: Any) -> Any:
+                           data_loader: Any = None, loss_scaler: Any = None,
+                           **_smp_options: Any) -> Any:
     """Load ``path/tag`` (default: the newest) and return its ``user_content``. Collective.
 
     A sharded checkpoint loads under any layout (world size, sharding, tensor and
     pipeline parallelism): each rank reads the pieces it now holds. The model and
     optimizer default to the ``DistributedModel`` / ``DistributedOptimizer``; for a
     ``DistributedModel`` that has not been split yet, they are loaded right after the
-    split at the first step (as SMP does). Random generators are restored when the
-    world size is the same. ``partial`` is accepted for SMP compatibility; the
-    checkpoint itself says how it was saved.
+    split at the first step (as SMP does). Random generators (and the tensor-parallel
+    streams) are restored when the world size is the same; the fp16 loss scale
+    (``loss_scaler``, default: the DistributedOptimizer's) always. ``partial`` is
+    accepted for SMP compatibility; the checkpoint itself says how it was saved.
     """
     state.require("mp.resume_from_checkpoint")
     guard.check_every_rank_calls(f"resume_from_checkpoint({os.fspath(path)!r}, tag={tag!r})")
@@ -138,6 +146,7 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
     manifest = _manifest(location, tag)
     small = states.load_safe(_read(location, tag, SMALL_STATE))
     model, optimizer = _defaults(model, optimizer)
+    scaler = _scaler(loss_scaler, optimizer)
     if not load_optimizer:
         optimizer = None
     module, optim, dm = states.unwrap(model, optimizer)
@@ -161,7 +170,9 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
         lr_scheduler.load_state_dict(small["lr_scheduler"])
     if data_loader is not None and small["data_loader"] is not None:
         data_loader.load_state_dict(small["data_loader"])
-    _restore_rng(location, tag, manifest)
+    if scaler is not None and small.get("loss_scaler") is not None:
+        scaler.load_state_dict(small["loss_scaler"])
+    _restore_rng(location, tag, manifest, module)
     if dist.get_rank() == 0:
         logger.info("resumed from checkpoint %s (step %s)", location.url(tag), manifest["step"])
     return small["user_content"]
@@ -344,7 +355,12 @@ def _load_full(location: Location, tag: str, manifest, small, module, optim, dm,
             states.optimizer_state(module, optim), optim_sd, "optimizer"))
 
 
-def _restore_rng(location: Location, tag: str, manifest: dict[str, Any]) -> None:
+def _scaler(loss_scaler: Any, optimizer: Any) -> Any:
+    """The loss scaler to save or restore: the one given, else a DistributedOptimizer's."""
+    return loss_scaler if loss_scaler is not None else getattr(optimizer, "loss_scaler", None)
+
+
+def _restore_rng(location: Location, tag: str, manifest: dict[str, Any], module) -> None:
     rank = dist.get_rank()
     if manifest["world_size"] != dist.get_world_size():
         if rank == 0:
@@ -352,4 +368,4 @@ def _restore_rng(location: Location, tag: str, manifest: dict[str, Any]) -> None
                            "by %d ranks, this run has %d", manifest["world_size"],
                            dist.get_world_size())
         return
-    states.set_rng_state(states.load_safe(_read(location, tag, f"rng/rank{rank}.pt")))
+    states.set_rng_state(states.load_safe(_read(location, tag, f"rng/rank{rank}.pt")), module)

@@ -27,6 +27,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modelparallel.checkpoint.storage import CheckpointError
 from modelparallel.parallel.placement import is_meta
+from modelparallel.parallel.tensor import rng
+from modelparallel.parallel.tensor.styles import stored_shapes
 
 
 def unwrap(model: nn.Module | None, optimizer: Any) -> tuple[nn.Module | None, Any, Any]:
@@ -65,8 +67,27 @@ def optimizer_state(module: nn.Module, optimizer: Any, *, full: bool = False,
     if every_rank:
         options.cpu_offload = False
         sd = get_optimizer_state_dict(module, optimizer, options=options)
-        return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
-    return get_optimizer_state_dict(module, optimizer, options=options)
+        sd = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    else:
+        sd = get_optimizer_state_dict(module, optimizer, options=options)
+    return _in_model_shapes(module, sd) if full else sd
+
+
+def _in_model_shapes(module: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
+    """Full optimizer state in the shapes of the model's state dict: a fused projection
+    stored as ``(..., chunks, width)`` (``stored_shapes``) is ``(..., chunks * width)``
+    there, and so is its state."""
+    stored = stored_shapes(module)
+    if not stored:
+        return sd
+    out = {}
+    for key, value in sd.items():
+        fqn = next((f for f in stored if key.startswith(f"state.{f}.")), None)
+        if fqn is not None and isinstance(value, torch.Tensor) \
+                and tuple(value.shape) == tuple(stored[fqn]):
+            value = value.reshape(*value.shape[:-2], -1)
+        out[key] = value
+    return out
 
 
 def set_model_state(module: nn.Module, sd: dict[str, Any], *, full: bool = False,
@@ -155,8 +176,9 @@ def load_safe(data: bytes) -> Any:
 
 
 # -- random number generators: one state per rank -------------------------------------
-def rng_state() -> dict[str, Any]:
-    """Python's, NumPy's, torch's CPU and (if any) CUDA generators' states."""
+def rng_state(model: nn.Module | None = None) -> dict[str, Any]:
+    """Python's, NumPy's, torch's CPU and (if any) CUDA generators' states, and the
+    tensor-parallel random streams of ``model`` if it has them."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": {"version": version, "state": torch.tensor(internal), "gauss": gauss},
@@ -165,10 +187,13 @@ def rng_state() -> dict[str, Any]:
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    streams = rng.streams_of(model) if model is not None else None
+    if streams is not None:
+        state["tensor_parallel"] = streams.state_dict()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], model: nn.Module | None = None) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
     n = state["numpy"]
@@ -177,3 +202,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    streams = rng.streams_of(model) if model is not None else None
+    if streams is not None and "tensor_parallel" in state:
+        streams.load_state_dict(state["tensor_parallel"])

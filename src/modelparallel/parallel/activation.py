@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from modelparallel.parallel.placement import is_meta
 
@@ -29,8 +30,11 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Checkpoint the marked modules of ``model`` that this rank holds (torch's composable
-    ``checkpoint``). Apply before FSDP, so recomputation runs inside FSDP's gathered
+    """Checkpoint the marked modules of ``model`` that this rank holds: each one's
+    forward runs inside ``torch.utils.checkpoint.checkpoint`` (non-reentrant), which may
+    recompute it more than once (the zero-bubble schedules run a backward for the
+    inputs and another for the weights; torch's composable ``checkpoint`` recomputes
+    only once). Apply before FSDP, so recomputation runs inside FSDP's gathered
     parameters."""
     containers = (nn.Sequential, nn.ModuleList)
     for module in list(model.modules()):
@@ -39,4 +43,27 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
             continue
         for target in module.children() if isinstance(module, containers) else [module]:
             if not any(is_meta(p) for p in target.parameters()):
-                checkpoint(target, preserve_rng_state=preserve_rng)
+                _recompute_in_backward(target, preserve_rng)
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    """Whether ``apply_activation_checkpointing`` checkpointed ``module``."""
+    return module.__dict__.get(_RECOMPUTED, False)
+
+
+_RECOMPUTED = "_mp_recomputed"
+
+
+def _recompute_in_backward(module: nn.Module, preserve_rng_state: bool) -> None:
+    if is_recomputed(module):
+        return
+    original = module.forward  # the bound method; hooks still run around the call
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        return torch_checkpoint(original, *args, use_reentrant=False,
+                                preserve_rng_state=preserve_rng_state, **kwargs)
+
+    object.__setattr__(module, "forward", forward)
+    object.__setattr__(module, _RECOMPUTED, True)

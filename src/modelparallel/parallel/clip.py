@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
+
+from modelparallel.parallel import fsdp1_torch
 
 
 def clip_grad_norm_(model: nn.Module | Iterable[torch.Tensor], max_norm: float,
@@ -18,28 +22,91 @@ def clip_grad_norm_(model: nn.Module | Iterable[torch.Tensor], max_norm: float,
     The norm is over the whole model, whatever holds its pieces: gradients that are
     DTensors (tensor-parallel shards, FSDP2 shards, both) are reduced over their mesh,
     one collective per mesh; plain gradients (replicated) count once. An FSDP1 model
-    uses its own ``clip_grad_norm_``. Same arguments as
-    ``torch.nn.utils.clip_grad_norm_``; the returned norm is a plain tensor, equal on
-    every rank.
+    uses its own ``clip_grad_norm_`` (:func:`fsdp1_clip_grad_norm_` when it holds
+    tensor-parallel parameters). Same arguments as ``torch.nn.utils.clip_grad_norm_``;
+    the returned norm is a plain tensor, equal on every rank.
     """
     if isinstance(model, FullyShardedDataParallel):
+        if fsdp1_torch.holds_split_params(model):
+            return fsdp1_clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite,
+                                         foreach)
         return model.clip_grad_norm_(max_norm, norm_type)
     params = list(model.parameters() if isinstance(model, nn.Module) else model)
+    by_mesh = _by_mesh(params)
+    if not by_mesh:
+        return torch.tensor(0.0)
+    norms = [_norm([p.grad for p in group], norm_type, error_if_nonfinite, foreach)
+             for group in by_mesh.values()]
+    device = norms[0].device
+    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type,
+                                          error_if_nonfinite)
+    _scale(by_mesh, max_norm, total, foreach)
+    return total
+
+
+def fsdp1_clip_grad_norm_(model: FullyShardedDataParallel, max_norm: float,
+                          norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                          foreach: bool | None = None) -> torch.Tensor:
+    """``clip_grad_norm_`` of an FSDP1 model holding tensor-parallel parameters.
+
+    FSDP1's own sums its gradient shards over its shard group only, so each
+    tensor-parallel rank counted just its own slice of every split parameter. Here each
+    shard of a split parameter is summed over its tensor-parallel ranks too, replicated
+    ones (plain, or DTensors replicated over ``tp``) once, and what FSDP does not shard
+    once per rank. Works for ``use_orig_params`` True and False.
+    """
+    p = float(norm_type)
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    pieces, unmanaged = fsdp1_torch.grad_pieces(model)
+    # one bucket per (tensor-parallel groups, shard group), the same on every rank
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for piece in pieces:
+        grads = buckets.setdefault((piece.split, piece.sharded), [])
+        if piece.grad is not None:
+            grads.append(piece.grad)
+    device = next((g.device for gs in buckets.values() for g in gs), torch.device("cpu"))
+    total = torch.zeros((), device=device)
+    for (split, sharded), grads in buckets.items():
+        part = _powered(_norm(grads, p, False, foreach).float().to(device), p)
+        for group in (*split, sharded):
+            if group is not None:
+                dist.all_reduce(part, op=op, group=group)
+        total = torch.maximum(total, part) if math.isinf(p) else total + part
+    for group in _by_mesh(unmanaged).values():
+        part = _powered(_norm([q.grad for q in group], p, False, foreach).float().to(device), p)
+        total = torch.maximum(total, part) if math.isinf(p) else total + part
+    total = total if math.isinf(p) else total ** (1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {p} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped. To disable this error and "
+                           "scale the gradients by the non-finite norm anyway, set "
+                           "`error_if_nonfinite=False`")
+    _scale(_by_mesh(list(model.parameters())), max_norm, total, foreach)
+    return total
+
+
+def _by_mesh(params: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """Parameters with gradients, by the mesh of their gradient (None: plain tensors)."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             by_mesh.setdefault(key, []).append(p)
-    if not by_mesh:
-        return torch.tensor(0.0)
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type,
-                                             error_if_nonfinite, foreach)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = norms[0].device
-    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type,
-                                          error_if_nonfinite)
+    return by_mesh
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool,
+          foreach: bool | None) -> torch.Tensor:
+    """The norm of ``grads`` as a plain tensor (a DTensor's over its whole mesh)."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _powered(norm: torch.Tensor, p: float) -> torch.Tensor:
+    return norm if math.isinf(p) else norm ** p
+
+
+def _scale(by_mesh: dict[object, list[torch.Tensor]], max_norm: float, total: torch.Tensor,
+           foreach: bool | None) -> None:
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
-    return total

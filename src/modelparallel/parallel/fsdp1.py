@@ -11,8 +11,25 @@ before is given our data-parallel process groups:
   ``_HYBRID_SHARD_ZERO2`` keeps its flavour; ``FULL_SHARD``/``SHARD_GRAD_OP`` become
   their hybrid twins; ``NO_SHARD`` is kept.
 
+With ``tensor_parallel_degree`` > 1:
+
+- a model ``mp.transform`` split (DTensor parameters on the ``tp`` mesh dimension) is
+  sharded even where there is nothing to shard over (``hybrid_shard_degree`` 1, one
+  data-parallel rank): FSDP1's ``NO_SHARD`` cannot hold DTensor parameters, and a
+  sharded strategy over one rank computes the same. Gradient clipping
+  (``model.clip_grad_norm_`` and ``mp.clip_grad_norm_``) counts each split parameter
+  once over its tensor-parallel ranks; ``SHARDED_STATE_DICT`` holds each
+  tensor-parallel rank's part, sharded over the data-parallel ranks (SMP v2 saves one
+  checkpoint per tp rank); ``FULL_STATE_DICT`` holds whole tensors;
+- a model it left whole trains on each tensor-parallel rank's own batch, so those
+  ranks are data-parallel replicas of it too (SMP v1): gradients are averaged over the
+  data-parallel x tensor-parallel ranks.
+
+``bf16``/``fp16`` give FSDP1 ``MixedPrecision(param_dtype=<half>,
+reduce_dtype=float32)`` unless the script passes its own, which must agree.
+
 An explicit ``process_group`` or ``device_mesh`` is the script's own choice and is
-left alone.
+left alone (precision and ``device_id`` still apply).
 """
 
 from __future__ import annotations
@@ -23,8 +40,19 @@ import logging
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
+from torch.distributed.tensor import DTensor
 
+from modelparallel.config import Config, ConfigError
+from modelparallel.parallel import fsdp1_torch
+from modelparallel.parallel.clip import fsdp1_clip_grad_norm_
 from modelparallel.state import State, state
 
 logger = logging.getLogger("modelparallel")
@@ -36,38 +64,117 @@ _TO_HYBRID = {None: _S.HYBRID_SHARD, _S.FULL_SHARD: _S.HYBRID_SHARD,
 _TO_FLAT = {None: _S.FULL_SHARD, _S.FULL_SHARD: _S.FULL_SHARD,
             _S.SHARD_GRAD_OP: _S.SHARD_GRAD_OP, _S.HYBRID_SHARD: _S.FULL_SHARD,
             _S._HYBRID_SHARD_ZERO2: _S.SHARD_GRAD_OP, _S.NO_SHARD: _S.NO_SHARD}
+_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _original_init = FullyShardedDataParallel.__init__
 _signature = inspect.signature(_original_init)
 
 
-def fsdp1_arguments(s: State, arguments: dict[str, Any]) -> dict[str, Any]:
-    """The FSDP1 constructor arguments after applying the hybrid sharding policy."""
+def holds_tensor_parallel(module: nn.Module) -> bool:
+    """Whether ``module`` has DTensor parameters on the ``tp`` mesh dimension."""
+    return any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
+               for p in module.parameters())
+
+
+def fsdp1_arguments(s: State, arguments: dict[str, Any], *,
+                    split: bool = False) -> dict[str, Any]:
+    """The FSDP1 constructor arguments after applying the hybrid sharding policy.
+
+    ``split``: the module holds tensor-parallel DTensor parameters."""
     args = dict(arguments)
     if not torch.cuda.is_available() and args.get("device_id") is None:
         args["device_id"] = torch.device("cpu")
+    _apply_precision(s.config, args)
     if args.get("process_group") is not None or args.get("device_mesh") is not None:
         return args  # the script chose its own groups
     cfg, topo = s.config, s.topology
     if cfg.hybrid_shard_degree == 0 and cfg.sharded_data_parallel_degree <= 1 and topo.tp == 1:
         return args  # SMP v2: 0 means PyTorch's own behaviour
     asked = args.get("sharding_strategy")
-    # Meshes, not bare process groups: FSDP1 finds tensor-parallel DTensor parameters'
-    # mesh through the data-parallel mesh's root.
-    if topo.dp_shard == 1:
-        strategy, groups = _S.NO_SHARD, {"device_mesh": s.meshes["rdp"]}
-    elif topo.dp_replicate == 1:
-        strategy = _TO_FLAT[asked]
-        groups = {"device_mesh": s.meshes["dp_shard"]}
-    else:
-        strategy = _TO_HYBRID[asked]
-        groups = {"device_mesh": s.mesh["dp_replicate", "dp_shard"]}
-        if strategy is _S.NO_SHARD:
-            groups = {"device_mesh": s.meshes["rdp"]}
+    no_shard = split and asked is _S.NO_SHARD  # cannot hold tensor-parallel DTensors
+    strategy, groups = _layout(s, None if no_shard else asked, split)
     if asked not in (None, strategy) and s.rank == 0:
-        logger.warning("FSDP sharding_strategy %s becomes %s to follow hybrid_shard_degree=%d",
-                       asked.name, strategy.name, topo.dp_shard)
+        why = "FSDP1's NO_SHARD cannot hold tensor-parallel parameters" if no_shard else \
+            f"to follow hybrid_shard_degree={topo.dp_shard}" + (
+                "" if split or topo.tp == 1 else
+                " with the tensor-parallel ranks as replicas of a model they hold whole")
+        logger.warning("FSDP sharding_strategy %s becomes %s: %s", asked.name, strategy.name,
+                       why)
     args.update(groups, sharding_strategy=strategy)
     return args
+
+
+def _layout(s: State, asked: ShardingStrategy | None,
+            split: bool) -> tuple[ShardingStrategy, dict[str, Any]]:
+    """The strategy and the groups: meshes where one has the dims (FSDP1 finds the mesh of
+    tensor-parallel DTensor parameters through the data-parallel mesh's root)."""
+    topo = s.topology
+    replicas = topo.tp > 1 and not split  # TP ranks train a whole model on their own rows
+    unsharded = s.meshes["dp" if replicas else "rdp"]
+    if topo.dp_shard == 1 and not split:
+        return _S.NO_SHARD, {"device_mesh": unsharded}
+    if topo.dp_replicate == 1 and not replicas:  # split models: even over one rank
+        return _TO_FLAT[asked], {"device_mesh": s.meshes["dp_shard"]}
+    strategy = _TO_HYBRID[asked]
+    if strategy is _S.NO_SHARD:
+        return strategy, {"device_mesh": unsharded}
+    if replicas:  # replicate over dp_replicate x tp: no mesh has that dimension
+        return strategy, {"process_group": (s.meshes["dp_shard"].get_group(),
+                                            _replicate_with_tp_group(s))}
+    return strategy, {"device_mesh": s.mesh["dp_replicate", "dp_shard"]}
+
+
+_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _replicate_with_tp_group(s: State) -> dist.ProcessGroup:
+    """This rank's group over dp_replicate x tp, made once per layout (collective)."""
+    key = (s.topology, dist.group.WORLD)
+    if key not in _GROUPS:
+        ranks = s.topology.all_groups(("dp_replicate", "tp"))
+        _GROUPS[key], _ = dist.new_subgroups_by_enumeration(ranks,
+                                                             timeout=s.collective_timeout)
+    return _GROUPS[key]
+
+
+def _apply_precision(cfg: Config, args: dict[str, Any]) -> None:
+    """``bf16``/``fp16``: compute in the half type, keep float32 parameters and reduce
+    gradients in float32 (what ``mp.shard`` does); a script's own policy must agree."""
+    key = cfg.half_precision
+    if key is None:
+        return
+    policy = args.get("mixed_precision")
+    if policy is None:
+        args["mixed_precision"] = MixedPrecision(param_dtype=_HALF[key],
+                                                 reduce_dtype=torch.float32)
+    elif policy.param_dtype != _HALF[key]:
+        raise ConfigError([(key, f"{key}=True computes in {_HALF[key]}, but the script's FSDP "
+                                 f"MixedPrecision has param_dtype={policy.param_dtype}; make "
+                                 f"them agree or drop one")])
+
+
+def _full_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                  local_metadata: Any) -> None:
+    """FULL_STATE_DICT: whole tensors, not tensor-parallel DTensors (every rank of a
+    tensor-parallel group that returns a state dict gathers together)."""
+    settings = FullyShardedDataParallel.get_state_dict_type(module)
+    if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:
+        return
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and isinstance(value, DTensor):
+            # offloaded to the CPU by FSDP: gather on the mesh's device
+            full = value.to(value.device_mesh.device_type).full_tensor()
+            state_dict[key] = full.cpu() if settings.state_dict_config.offload_to_cpu else full
+
+
+def _adopt(model: FullyShardedDataParallel, split: bool) -> None:
+    """After construction with our groups: our state dicts, and our clipping when
+    tensor parallelism split the model."""
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        unit._mp_policy = True  # read by fsdp1_torch: only models we wrapped are changed
+    fsdp1_torch.use_local_state_dicts(model)
+    if split:
+        model.clip_grad_norm_ = functools.partial(fsdp1_clip_grad_norm_, model)
+        model.register_state_dict_post_hook(_full_tensors)
 
 
 @functools.wraps(_original_init)
@@ -76,9 +183,18 @@ def _init_with_policy(self, module, *args, **kwargs):
         return _original_init(self, module, *args, **kwargs)
     bound = _signature.bind(self, module, *args, **kwargs)
     arguments = {k: v for k, v in bound.arguments.items() if k not in ("self", "module")}
-    return _original_init(self, module, **fsdp1_arguments(state, arguments))
+    ours = arguments.get("process_group") is None and arguments.get("device_mesh") is None
+    split = state.topology.tp > 1 and holds_tensor_parallel(module)
+    final = fsdp1_arguments(state, arguments, split=split)
+    if not ours:  # the script's groups, or an auto-wrapped child of a model we wrap
+        return _original_init(self, module, **final)
+    with fsdp1_torch.keep_sharded_strategy(split):
+        _original_init(self, module, **final)
+    _adopt(self, split)
+    return None
 
 
 def install() -> None:
     """Route FSDP1 construction through the policy (idempotent; inert before init)."""
     FullyShardedDataParallel.__init__ = _init_with_policy
+    fsdp1_torch.install()

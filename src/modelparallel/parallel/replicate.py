@@ -7,9 +7,12 @@ from torch.distributed._composable.replicate_with_fsdp import replicate as repli
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from modelparallel.config import ConfigError
+from modelparallel.parallel import replicas
 from modelparallel.parallel.blocks import find_blocks
-from modelparallel.state import state
-from modelparallel.topology import CommGroup
+from modelparallel.parallel.precision import HALF, compute_in, require_loss_scaling
+from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
+from modelparallel.state import State, state
 
 
 def replicate(model: nn.Module, **ddp_kwargs) -> nn.Module:
@@ -18,23 +21,48 @@ def replicate(model: nn.Module, **ddp_kwargs) -> nn.Module:
 
     A plain model is wrapped in ``torch.nn.parallel.DistributedDataParallel``
     (``device_ids`` defaults to this rank's GPU on CUDA; other keyword arguments go to
-    DDP unchanged). A tensor-parallel model (DTensor parameters) is replicated in place
-    by PyTorch's DTensor-aware DDP (``replicate`` built on FSDP2's machinery, one
-    gradient bucket per block) and returned as it is: classic DDP does not understand
-    DTensor parameters.
+    DDP unchanged), which starts every replica from the first one's values. A model
+    tensor parallelism did not split is replicated over the tensor-parallel ranks too
+    (each trains it on its own batch). A tensor-parallel model (DTensor parameters) is
+    replicated in place by PyTorch's DTensor-aware DDP (``replicate`` built on FSDP2's
+    machinery, one gradient bucket per block) and returned as it is: classic DDP does
+    not understand DTensor parameters. ``bf16``/``fp16`` make the forward and backward
+    compute in that type with float32 parameters and gradients (with ``fp16``, scale
+    the loss with :class:`mp.LossScaler`).
     """
     s = state.require("mp.replicate()")
+    _check_replicated_layout(s)
+    blocks = find_blocks(model)
+    if s.config.half_precision:
+        compute_in(model, HALF[s.config.half_precision], blocks)
+    if s.config.half_precision == "fp16":
+        require_loss_scaling(model)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         if ddp_kwargs:
             raise TypeError(f"mp.replicate() of a tensor-parallel model takes no DDP arguments "
                             f"(got {sorted(ddp_kwargs)})")
+        replicas.synchronize(model, s)
         mesh = s.meshes["rdp"]
-        for block in find_blocks(model):
+        for block in blocks:
             replicate_dtensors(block, mesh=mesh)
         replicate_dtensors(model, mesh=mesh)
         return model
     if s.device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [s.device.index])
         model = model.to(s.device)
-    ddp_kwargs.setdefault("process_group", s.process_group(CommGroup.RDP_GROUP))
+    group = replicas.data_parallel_group(s, tp_ranks_are_replicas(model, s.topology.tp))
+    ddp_kwargs.setdefault("process_group", group)
     return DistributedDataParallel(model, **ddp_kwargs)
+
+
+def _check_replicated_layout(s: State) -> None:
+    """Replicating where the configuration asks for sharding is refused, not ignored."""
+    c = s.config
+    if c.sharded_data_parallel_degree > 1:
+        raise ConfigError([("sharded_data_parallel_degree", (
+            f"{c.sharded_data_parallel_degree} asks for sharded data parallelism, but "
+            "mp.replicate() replicates; use mp.shard(), or drop the key"))])
+    if c.hybrid_shard_degree >= 2:
+        raise ConfigError([("hybrid_shard_degree", (
+            f"{c.hybrid_shard_degree} shards parameters over {s.topology.dp_shard} ranks, but "
+            "mp.replicate() replicates; use mp.shard(), or set hybrid_shard_degree to 1"))])

@@ -6,15 +6,16 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from modelparallel.config import Config
+from modelparallel.parallel import replicas
 from modelparallel.parallel.blocks import BlockSpec, find_blocks
+from modelparallel.parallel.precision import HALF, require_loss_scaling
+from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
 from modelparallel.state import State, state
 
 logger = logging.getLogger("modelparallel")
-
-_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def data_parallel_mesh(s: State):
@@ -29,31 +30,65 @@ def mixed_precision_policy(config: Config) -> MixedPrecisionPolicy:
     half = config.half_precision
     if half is None:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=_HALF[half], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=HALF[half], reduce_dtype=torch.float32)
 
 
-def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: bool = True,
+def fully_shard_units(units: list[nn.Module | list[nn.Module]], s: State, *,
+                      tp_replicas: bool, **fully_shard_kwargs) -> None:
+    """``fully_shard`` each unit (a module, or modules sharing parameters) in order on the
+    data-parallel mesh with the config's precision policy. When the tensor-parallel
+    ranks are replicas of a whole model, FSDP's average also runs over them."""
+    fully_shard_kwargs.setdefault("mp_policy", mixed_precision_policy(s.config))
+    hook = replicas.average_over_tp(s) if tp_replicas else None
+    for unit in units:
+        sharded = fully_shard(unit, mesh=data_parallel_mesh(s), **fully_shard_kwargs)
+        if hook is not None:
+            assert isinstance(sharded, FSDPModule)
+            sharded.set_all_reduce_hook(hook)
+
+
+def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: bool | None = None,
           mp_policy: MixedPrecisionPolicy | None = None, **fully_shard_kwargs) -> nn.Module:
     """Shard ``model`` with FSDP2 following ``hybrid_shard_degree``; returns the model.
 
-    Applies ``fully_shard`` bottom-up: each repeated block (found automatically, or
-    ``blocks=``: module classes, modules or a predicate), then the root. Parameters
-    are sharded over ``dp_shard`` ranks and replicated over ``dp_replicate`` ranks
-    (hybrid_shard_degree 0: shard over all data-parallel ranks; 1: replicate; k:
-    shard over k). ``reshard_after_forward=False`` keeps gathered parameters from
-    forward to backward (ZeRO-2 flavour). ``bf16``/``fp16`` in the config select a
-    mixed-precision policy unless ``mp_policy`` is given.
+    Every rank first takes the parameters and buffers of the first data-parallel rank
+    (as DDP and SMP do). Then ``fully_shard`` is applied bottom-up: each repeated block
+    (found automatically, or ``blocks=``: module classes, modules or a predicate), then
+    the root. Parameters are sharded over ``dp_shard`` ranks and replicated over
+    ``dp_replicate`` ranks (hybrid_shard_degree 0: shard over all data-parallel ranks;
+    1: replicate; k: shard over k). ``reshard_after_forward`` goes to every unit
+    (default: FSDP's, which reshards the blocks after forward and keeps the root
+    gathered for backward; ``False``: ZeRO-2 flavour). ``bf16``/``fp16`` in the config
+    select a mixed-precision policy unless ``mp_policy`` is given; with ``fp16`` scale
+    the loss with :class:`mp.LossScaler`. A model tensor parallelism did not split is
+    trained by the tensor-parallel ranks as data-parallel replicas.
     """
     s = state.require("mp.shard()")
-    mesh = data_parallel_mesh(s)
-    policy = mp_policy or mixed_precision_policy(s.config)
+    _say_what_does_not_apply(s)
+    replicas.synchronize(model, s)
     units = find_blocks(model, blocks)
     if not units and s.rank == 0:
         logger.warning("mp.shard(): found no repeated blocks in %s; the whole model is one "
                        "FSDP unit (pass blocks=[...] to choose them)", type(model).__name__)
-    for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy, **fully_shard_kwargs)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                mp_policy=policy, **fully_shard_kwargs)
+    kwargs = dict(fully_shard_kwargs, reshard_after_forward=reshard_after_forward)
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    fully_shard_units([*units, model], s, tp_replicas=tp_ranks_are_replicas(model, s.topology.tp),
+                      **kwargs)
+    if s.config.half_precision == "fp16" and mp_policy is None:
+        require_loss_scaling(model)
     return model
+
+
+def _say_what_does_not_apply(s: State) -> None:
+    """One line each for keys that do nothing under mp.shard (rank 0)."""
+    if s.rank != 0:
+        return
+    if s.config.ddp:
+        logger.warning("ddp=True has no effect on mp.shard(), which shards with FSDP following "
+                       "hybrid_shard_degree (ddp selects replicated data parallelism inside "
+                       "mp.DistributedModel; mp.replicate() replicates)")
+    if s.config.sharded_data_parallel_degree > 1:
+        logger.warning("sdp_gradient_clipping is applied by mp.DistributedOptimizer; with "
+                       "mp.shard() clip yourself: mp.clip_grad_norm_(model, %s)",
+                       s.config.sdp_gradient_clipping)

@@ -1,60 +1,63 @@
 """Tensor and sharded data parallelism on the modules a pipeline rank holds (3D).
 
-Order as DESIGN.md: split into stages first (the caller), then tensor parallelism,
-activation checkpointing, and FSDP2 units bottom-up on what this rank holds. Modules
-of other stages keep meta parameters and are never run here (stubs stand in for them).
+Order as DESIGN.md: split into stages first (the caller), then tensor parallelism (with
+the precision policy), activation checkpointing, and FSDP2 units bottom-up on what this
+rank holds. Modules of other stages keep meta parameters and are never run here (stubs
+stand in for them).
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from modelparallel.parallel import replicas
 from modelparallel.parallel.activation import apply_activation_checkpointing
 from modelparallel.parallel.placement import to_device
-from modelparallel.parallel.sharding import data_parallel_mesh, mixed_precision_policy
-from modelparallel.parallel.tensor.transform import tied_groups, transform
+from modelparallel.parallel.sharding import fully_shard_units
+from modelparallel.parallel.tensor.transform import tied_groups, tp_ranks_are_replicas, transform
 from modelparallel.state import State
-
-logger = logging.getLogger("modelparallel")
 
 
 def shards_data_parallel(s: State) -> bool:
-    """FSDP over the data-parallel ranks, or (False) replicas that all-reduce gradients."""
-    return s.topology.dp_shard > 1 and not s.config.ddp
+    """FSDP over the data-parallel ranks, or (False) replicas that all-reduce gradients
+    (``Config.pipeline_shards``)."""
+    return s.config.pipeline_shards(s.topology.dp_shard)
 
 
-def parallelize(model: nn.Module, units: list[str], s: State) -> set[int]:
-    """Tensor parallelism per the model's plans, activation checkpointing of the marked
-    modules, then one FSDP unit per module path in ``units`` (``""`` = the root, last).
-    Modules sharing a parameter (tied embeddings held on one rank) form one unit.
-    Parameters are replaced by DTensors; returns the ids of those FSDP manages (it
-    averages their gradients over the data-parallel ranks)."""
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` did to a model."""
+
+    fsdp: set[int]      # ids of the parameters FSDP manages (it averages their gradients)
+    tp_replicas: bool   # the tensor-parallel ranks hold the model whole: they are replicas
+
+
+def parallelize(model: nn.Module, units: list[str], s: State) -> Parallelized:
+    """Start every replica from the first data-parallel rank's values, then tensor
+    parallelism per the model's plans, activation checkpointing of the marked modules,
+    the precision policy, and one FSDP unit per module path in ``units`` (``""`` = the
+    root, last). Modules sharing a parameter (tied embeddings held on one rank) form
+    one unit. Parameters are replaced by DTensors."""
     tied = tied_groups(model)
     to_device(model, s.device)  # SMP v1 places each stage on its rank's device
-    if s.topology.tp > 1:
-        transform(model)
+    replicas.synchronize(model, s)  # SMP v1 broadcasts from data-parallel rank 0
+    transform(model)
+    tp_replicas = tp_ranks_are_replicas(model, s.topology.tp)
     apply_activation_checkpointing(model)
     if not shards_data_parallel(s):
-        if s.config.half_precision and s.rank == 0:
-            logger.warning("%s=True takes effect through FSDP's mixed precision, and this "
-                           "layout shards no data-parallel dimension (hybrid_shard_degree "
-                           "0 or >= 2 with data-parallel ranks): the model trains in fp32",
-                           s.config.half_precision)
-        return set()
-    mesh = data_parallel_mesh(s)
-    policy = mixed_precision_policy(s.config)
+        return Parallelized(set(), tp_replicas)
     modules = [model.get_submodule(path) for path in units]
-    for group in _merge_tied(modules):
-        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy)
+    units_of_tied = [group if len(group) > 1 else group[0] for group in _merge_tied(modules)]
+    fully_shard_units(units_of_tied, s, tp_replicas=tp_replicas)
     _retie(tied, {id(m) for unit in modules for m in unit.modules()})
-    return {id(p) for path in units for p in model.get_submodule(path).parameters()
+    fsdp = {id(p) for path in units for p in model.get_submodule(path).parameters()
             if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names
             and set(p.device_mesh.mesh_dim_names) & {"dp_shard", "dp_replicate"}}
+    return Parallelized(fsdp, tp_replicas)
 
 
 def _merge_tied(modules: list[nn.Module]) -> list[list[nn.Module]]:

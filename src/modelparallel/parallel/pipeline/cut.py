@@ -153,11 +153,16 @@ class Split:
 class Stub(nn.Module):
     """Stands in for a module another stage holds: outputs of the right shapes, NaN."""
 
-    def __init__(self, original: nn.Module, on_call: Callable[[tuple, dict], None] | None):
+    def __init__(self, original: nn.Module, on_call: Callable[[tuple, dict], None] | None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
-        # a parameterless meta copy computes output shapes without the weights
-        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-                for p in original.parameters()}
+        # a parameterless meta copy computes output shapes without the weights, its
+        # floating parameters in the compute dtype (half precision casts them so)
+        def meta(p: torch.Tensor) -> torch.Tensor:
+            cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
+            return torch.empty_like(p, device="meta", dtype=cast)
+
+        memo = {id(p): nn.Parameter(meta(p), p.requires_grad) for p in original.parameters()}
         memo |= {id(b): torch.empty_like(b, device="meta") for b in original.buffers()}
         self.__dict__["_meta"] = _without_hooks(copy.deepcopy(original, memo))
         self.__dict__["_on_call"] = on_call

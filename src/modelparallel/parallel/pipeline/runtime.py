@@ -186,7 +186,8 @@ class StageRunner:
         mb = self.microbatches[i]
         kind, _ = mb.resume(("output", self.outputs.pop(i)))
         if kind == "backward":  # the rest of the step function runs after the schedule
-            return mb.loss * mb.scale  # the mean over microbatches, as one process
+            # the mean over microbatches, as one process (times the fp16 loss scale)
+            return mb.loss.float() * mb.scale
         raise RuntimeError("the step function returned without calling model.backward(loss) "
                            "while gradients are enabled; call model.backward(loss), or run "
                            "evaluation steps under torch.no_grad()")

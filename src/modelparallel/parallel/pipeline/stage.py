@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from modelparallel.parallel.dataflow import DataFlow
 from modelparallel.parallel.pipeline.cut import Split, Stub, swap_module
 
 
@@ -14,8 +16,12 @@ class LeakedActivationError(RuntimeError):
     """A stage's output depends on a value computed on another stage."""
 
 
-class _Captured(BaseException):
-    """Ends a stage's model forward once the next stage's input is known."""
+class _Captured(Exception):
+    """Ends a stage's model forward once the next stage's input is known.
+
+    An ``Exception`` (not a ``BaseException``): modules run their ``always_call`` forward
+    hooks on an ``Exception`` only, and hooks that restore state (parameter views,
+    data-flow tracking) must run when the forward stops here."""
 
 
 class StageModule(nn.Module):
@@ -49,7 +55,8 @@ class StageModule(nn.Module):
         self._inputs = inputs
         self._on_output = on_output
         self._held = sorted(held)
-        self.checked = False  # first real forward checks no NaN stub output leaked in
+        self.checked = False  # the first real forward checks that no stand-in output leaks
+        self._stand_ins_run: list[str] = []
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         seen: set[int] = set()
@@ -61,9 +68,10 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
         args, kwargs, real = self._inputs(mb)
+        flow = DataFlow() if real and not self.checked else None
         captured: list[torch.Tensor] = []
         originals = {}
-        handle = None
+        handles = []
         try:
             def capture(a, k):  # the rest of the forward belongs to later stages
                 captured.append(a[0])
@@ -72,41 +80,46 @@ class StageModule(nn.Module):
             for path, stub in self._stubs.items():
                 stub.__dict__["_on_call"] = capture if path == self._next_layer else None
                 originals[path] = swap_module(self.model, path, stub)
+                if flow is not None:  # what a stand-in returns must not reach the output
+                    handles.append(stub.register_forward_hook(
+                        lambda m, a, out, path=path: self._stood_in(flow, path, out)))
             if self.stage > 0:
                 layer = self.model.get_submodule(self._first_layer)
-                handle = layer.register_forward_pre_hook(
+                handles.append(layer.register_forward_pre_hook(
                     lambda module, a, k: ((x, *a[1:]), k), with_kwargs=True,
-                    prepend=True)  # before hooks that keep the inputs (recomputation)
-            out = self.model(*args, **kwargs)
+                    prepend=True))  # before hooks that keep the inputs (recomputation)
+            with flow if flow is not None else contextlib.nullcontext():
+                out = self.model(*args, **kwargs)
         except _Captured:
             out = None
         finally:
-            if handle is not None:
+            for handle in handles:
                 handle.remove()
             for path, original in originals.items():
                 swap_module(self.model, path, original)
-        if self.is_last:
-            if real:
-                self._check_finite(out, x)
-            return self._on_output(mb, out)
-        if not captured or not isinstance(captured[0], torch.Tensor):
+        result = out if self.is_last else (captured[0] if captured else None)
+        if not self.is_last and not isinstance(result, torch.Tensor):
             raise RuntimeError(f"pipeline stage {self.stage}: the model never called "
                                f"{self._next_layer} with a tensor as its first argument")
-        if real:
-            self._check_finite(captured[0], x)
-        return captured[0]
+        if flow is not None:
+            self.checked = True
+            self._check_no_leak(flow, result)
+        return self._on_output(mb, out) if self.is_last else result
 
-    def _check_finite(self, out, x: torch.Tensor) -> None:
-        if self.checked or not torch.is_grad_enabled():
+    def _stood_in(self, flow: DataFlow, path: str, out: object) -> None:
+        flow.mark(out)
+        self._stand_ins_run.append(path)
+
+    def _check_no_leak(self, flow: DataFlow, result: object) -> None:
+        """Raise if what this stage passes on was computed from a stand-in's output."""
+        ran, self._stand_ins_run = self._stand_ins_run, []
+        if not flow.any_marked(result):
             return
-        self.checked = True
-        tensors = [t for t in torch.utils._pytree.tree_leaves(out)
-                   if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        x_finite = not x.is_floating_point() or bool(torch.isfinite(x).all())
-        if x_finite and any(not bool(torch.isfinite(t).all()) for t in tensors):
-            raise LeakedActivationError(
-                f"pipeline stage {self.stage} computed NaN/inf from finite inputs. Either "
-                "training diverged, or the model passes a value other than the hidden state "
-                "from one layer (or embedding) to a later one, which a cut at layer "
-                "boundaries cannot carry. Check the first step with "
-                "pipeline_parallel_degree=1; otherwise place the cut with mp.partition().")
+        what = "its output" if self.is_last else f"the input of {self._next_layer}"
+        raise LeakedActivationError(
+            f"pipeline stage {self.stage}: {what} is computed from the output of a module "
+            f"another stage holds (stand-ins that ran here: {', '.join(ran) or 'none'}). The "
+            "model passes a value other than the hidden state from one layer (or embedding) "
+            "to a later one, which a cut at layer boundaries cannot carry. Place the cut "
+            "with mp.partition() so that the value stays within one stage, or keep the "
+            "model on one stage.")

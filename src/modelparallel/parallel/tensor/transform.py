@@ -12,9 +12,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from modelparallel.config import ConfigError
+from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.placement import to_device
+from modelparallel.parallel.precision import HALF, compute_in, require_loss_scaling
+from modelparallel.parallel.replicas import broadcast_from_first
 from modelparallel.parallel.tensor import batch, rng
 from modelparallel.parallel.tensor.plans import TPOptions, TPPlan, marked, plan_for
+from modelparallel.parallel.tensor.regions import SplitRegions
 from modelparallel.state import state
 from modelparallel.topology import CommGroup
 
@@ -54,12 +58,24 @@ def transform(model: nn.Module, *, sequence_parallel: bool = False,
     ``True``: every rank of the group passes the same batch (sharded by ``rdp_rank``),
     checked once on the first forward; needed for ``loss_parallel``.
 
-    With ``tensor_parallel_degree`` 1 the model is returned as it is. Apply data
-    parallelism afterwards (``mp.shard``, FSDP1, ``mp.replicate``).
+    The ranks of a tensor-parallel group start from its first rank's parameters and
+    random state. Gradients of replicated tensors that split activations read (Qwen3's
+    per-head norms) are summed over the group (``regions.py``). A model with no plan
+    is left whole and the tensor-parallel ranks train it as data-parallel replicas.
+    ``bf16``/``fp16`` in the config make the forward and backward compute in that type
+    with float32 parameters (``precision.py``), with or without tensor parallelism.
+
+    With ``tensor_parallel_degree`` 1 nothing is split. Apply data parallelism
+    afterwards (``mp.shard``, FSDP1, ``mp.replicate``).
     """
     s = state.require("mp.transform()")
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
+    half = s.config.half_precision
+    if half is not None:
+        compute_in(model, HALF[half], find_blocks(model))
+        if half == "fp16":
+            require_loss_scaling(model)
     degree = s.topology.tp
     if degree == 1:
         return model
@@ -70,29 +86,59 @@ def transform(model: nn.Module, *, sequence_parallel: bool = False,
                             "group passes the same batch; mp.data loaders shard by rdp_rank)")])
     options = TPOptions(degree, sequence_parallel, loss_parallel)
     found = find_plans(model, options)
+    object.__setattr__(model, _SPLIT_ATTR, bool(found))
     if not found:
         if s.rank == 0:
             warnings.warn(_unsplit_message(model, degree), UnsplitModelWarning, stacklevel=2)
         return model
     to_device(model, s.device)  # a pipeline stage's model has other stages' parts on meta
+    tp_group = s.process_group(CommGroup.TP_GROUP)
+    # the ranks of a group compute one model: start from tp rank 0's values (split
+    # parameters are cut from its copy below) and draw the same random numbers outside
+    # split regions
+    broadcast_from_first([*model.parameters(), *model.buffers()], tp_group)
+    rng.synchronize_global(tp_group, s.device)
     tied = tied_groups(model)
     mesh = s.meshes["tp"]
     regions: dict[str, str] = {}
+    styled = []
     for f in found:
         for attr in f.plan.divide_attrs:
             _divide_attr(f.module, attr, degree)
         for sub, style in f.plan.styles.items():
-            parallelize_module(f.module.get_submodule(sub), mesh, style)
+            module = f.module.get_submodule(sub)
+            parallelize_module(module, mesh, style)
+            styled.append((_join(f.path, sub), module, style))
         regions |= {_join(f.path, sub): stream for sub, stream in f.plan.rng.items()}
     _retie(model, tied)
+    SplitRegions(model, styled, mesh)
     coords = s.topology.coordinate(s.rank)
-    seed = s.config.random_seed + coords["tp"] + 1000 * coords["pp"]
-    rng.install_regions(model, regions, rng.RNGStreams(seed, s.device))
+    streams = rng.RNGStreams(sharded_seed=s.config.random_seed + coords["tp"] + 1000 * coords["pp"],
+                             replicated_seed=s.config.tensor_parallel_seed, device=s.device)
+    rng.install_regions(model, regions, streams)
     if s.config.prescaled_batch:
-        batch.check_same_batch_once(model, s.process_group(CommGroup.TP_GROUP))
+        batch.check_same_batch_once(model, tp_group)
     else:
         batch.gather_batches(model, mesh)
     return model
+
+
+_SPLIT_ATTR = "_mp_tensor_parallel_split"  # set by transform(): whether a plan split it
+
+
+def tp_ranks_are_replicas(model: nn.Module, tp: int) -> bool:
+    """Whether the ``tp`` tensor-parallel ranks hold ``model`` whole (nothing of it is
+    split), so that each trains it on its own batch and they act as data-parallel
+    replicas: its gradients are averaged over them too (SMP v1's rule for modules
+    tensor parallelism does not split). A model with any split layer runs its tensor-
+    parallel group's batches together instead (see ``batch.py``)."""
+    if tp == 1:
+        return False
+    split = getattr(model, _SPLIT_ATTR, None)
+    if split is None:  # transform() never saw it: split if it holds tensor-parallel shards
+        split = any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
+                    for p in model.parameters())
+    return not split
 
 
 def find_plans(model: nn.Module, options: TPOptions) -> list[_Found]:
@@ -179,6 +225,7 @@ def _unsplit_message(model: nn.Module, degree: int) -> str:
                       if next(m.parameters(recurse=False), None) is not None})
     return (f"tensor_parallel_degree={degree}, but no module of {type(model).__name__} has a "
             f"tensor-parallel plan (modules with parameters: {', '.join(classes)}). It is left "
-            f"unsplit: each of the {degree} tensor-parallel ranks holds and computes the whole "
-            "model. Register a plan with mp.tp_register_with_module(cls, plan) or mark modules "
+            f"unsplit: each of the {degree} tensor-parallel ranks holds the whole model and "
+            "trains it as a data-parallel replica (gradients averaged over them too). Register "
+            "a plan with mp.tp_register_with_module(cls, plan) or mark modules "
             "with mp.set_tensor_parallelism(module); see docs/tensor-parallel.md.")

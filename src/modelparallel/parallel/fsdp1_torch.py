@@ -1,0 +1,195 @@
+"""What the FSDP1 path needs from torch's internals, all in this one file.
+
+FSDP1 (``FullyShardedDataParallel``) composes with tensor-parallel DTensor parameters
+through private machinery only, so these helpers reach into it. Each says why;
+``tests/distributed/test_fsdp1.py::test_fsdp1_internals_we_rely_on`` fails if a torch
+release moves what they use.
+
+- :func:`keep_sharded_strategy`: FSDP1 turns any strategy into ``NO_SHARD`` when the
+  shard group has one rank, and ``NO_SHARD`` cannot hold tensor-parallel DTensor
+  parameters with ``use_orig_params=True`` (it re-creates them as new ``nn.Parameter``
+  objects at every step, then fails to write them back: "Cannot writeback when the
+  parameter shape changes"). A sharded strategy over one rank computes the same.
+- :func:`use_local_state_dicts`: torch's ``DTensorExtensions`` build sharded state
+  dicts on the *root* mesh as if it were ``(dp, tp)``: plain tensors chunked over its
+  first dim, tensor-parallel ones over its next-to-last. Ours is ``(dp_replicate,
+  dp_shard, pp, tp)``, so entries were chunked over ``dp_replicate`` (or ``pp``).
+- :func:`grad_pieces`: which part of each original parameter this rank's gradient
+  shard holds, and how tensor parallelism split that parameter.
+- :func:`_set_state_dict_type`: ``offload_to_cpu`` of a model already on the CPU frees
+  the only copy of the gathered parameters (FSDP1 "moves" them to where they are, then
+  frees the old buffer), so full state dicts read freed memory (SIGSEGV).
+- :func:`_unflatten_optim_state_dict`: ``set_optimizer_state_dict`` with
+  ``flatten_optimizer_state_dict`` rebuilds each parameter's state from the names in
+  the *local* optimizer's state. An FSDP1 rank whose shard holds none of a parameter
+  has none, so it dropped the saved state and skipped the all-gather the other ranks
+  of its shard group run for that parameter: a hang, or a gloo abort.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.distributed.checkpoint.state_dict as dcp_state_dict
+import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_module
+from torch import nn
+from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel.fsdp import DTensorExtensions
+
+# -- one-rank shard groups keep a sharded strategy ---------------------------------------
+
+_keep_sharded = contextvars.ContextVar("mp_fsdp1_keep_sharded", default=False)
+_torch_init_core_state = getattr(fsdp_module, "_init_core_state", None)
+
+
+def _init_core_state(state, sharding_strategy, *args, **kwargs):
+    if not _keep_sharded.get() or sharding_strategy in (None, ShardingStrategy.NO_SHARD):
+        return _torch_init_core_state(state, sharding_strategy, *args, **kwargs)
+    with warnings.catch_warnings():  # "FSDP is switching to use `NO_SHARD` ..."
+        warnings.simplefilter("ignore", UserWarning)
+        result = _torch_init_core_state(state, sharding_strategy, *args, **kwargs)
+    state.sharding_strategy = sharding_strategy  # undo the clamp to NO_SHARD
+    return result
+
+
+def install() -> None:
+    """Put the fixes of this module in place (idempotent). One whose torch function is
+    gone is skipped here (the internals test names it)."""
+    if _torch_init_core_state is not None:
+        fsdp_module._init_core_state = _init_core_state
+    FullyShardedDataParallel.set_state_dict_type = staticmethod(_set_state_dict_type)
+    if _torch_unflatten_optim_state_dict is not None:
+        dcp_state_dict._unflatten_optim_state_dict = _unflatten_optim_state_dict
+
+
+@contextlib.contextmanager
+def keep_sharded_strategy(enabled: bool = True) -> Iterator[None]:
+    """While constructing FSDP1 (and its auto-wrapped children), a sharded strategy over a
+    one-rank shard group stays sharded instead of becoming ``NO_SHARD``."""
+    token = _keep_sharded.set(enabled)
+    try:
+        yield
+    finally:
+        _keep_sharded.reset(token)
+
+
+# -- sharded state dicts over the data-parallel mesh -------------------------------------
+
+class _LocalShardExtensions(DTensorExtensions):
+    """SHARDED_STATE_DICT entries are DTensors over FSDP's own data-parallel mesh (Shard(0)
+    on its shard dim) holding this rank's tensor-parallel part whole: each tensor-parallel
+    rank has a complete checkpoint of its part, as SMP v2 saves one per tp rank."""
+
+    def chunk_dtensor(self, tensor: torch.Tensor, rank: int, device_mesh: DeviceMesh) -> DTensor:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        whole = [Replicate()] * device_mesh.ndim
+        return DTensor.from_local(local.detach().clone(), device_mesh, whole,
+                                  run_check=False).redistribute(
+            device_mesh, [*whole[:-1], Shard(0)])
+
+    def all_gather_dtensor(self, tensor: DTensor, parent_mesh: DeviceMesh | None) -> torch.Tensor:
+        mesh = tensor.device_mesh
+        return tensor.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+
+
+def use_local_state_dicts(model: nn.Module) -> None:
+    """Give every FSDP1 unit of ``model`` built on a device mesh :class:`_LocalShardExtensions`
+    (its flattening of tensor-parallel parameters is torch's own, inherited)."""
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        old = unit._fsdp_extension  # private: set by FSDP1's _init_extension
+        if unit._device_mesh is not None and old is not None:
+            unit._fsdp_extension = _LocalShardExtensions(old.device_handle)
+
+
+# -- gradient shards ---------------------------------------------------------------------
+
+@dataclasses.dataclass
+class GradPiece:
+    grad: torch.Tensor | None  # this rank's part of the parameter's gradient, if any
+    split: tuple[object, ...]  # process groups of the mesh dims tensor parallelism shards it on
+    sharded: object | None  # FSDP's shard group when FSDP shards it, else None
+
+
+def grad_pieces(model: nn.Module) -> tuple[list[GradPiece], list[nn.Parameter]]:
+    """One :class:`GradPiece` per parameter each FSDP1 unit of ``model`` manages (on every
+    rank, in the same order), and the parameters of ``model`` no unit manages."""
+    pieces, managed = [], set()
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        handle = unit._handle  # private: the unit's FlatParamHandle, None if it has no params
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        managed.add(flat)
+        sharded = unit.process_group if handle.uses_sharded_strategy else None
+        flat_grad = flat.grad
+        for i, (info, spec) in enumerate(zip(flat._shard_param_infos, flat._param_extensions,
+                                             strict=True)):
+            if handle._use_orig_params:
+                param = flat._params[i]
+                managed.add(param)
+                grad = param.grad if info.in_shard else None
+            elif info.in_shard and flat_grad is not None:
+                start = info.offset_in_shard
+                grad = flat_grad[start:start + info.numel_in_shard]
+            else:
+                grad = None
+            split = () if spec is None else tuple(
+                spec.mesh.get_group(d) for d, p in enumerate(spec.placements) if p.is_shard())
+            pieces.append(GradPiece(grad, split, sharded))
+    unmanaged = [p for p in model.parameters() if p not in managed]
+    return pieces, unmanaged
+
+
+def holds_split_params(model: nn.Module) -> bool:
+    """Whether some FSDP1 unit of ``model`` flattened tensor-parallel DTensor parameters."""
+    return any(unit._handle is not None
+               and any(s is not None for s in unit._handle.flat_param._param_extensions)
+               for unit in FullyShardedDataParallel.fsdp_modules(model))
+
+
+# -- full state dicts of models on the CPU -----------------------------------------------
+
+_torch_set_state_dict_type = FullyShardedDataParallel.set_state_dict_type
+
+
+def _set_state_dict_type(module, state_dict_type, state_dict_config=None,
+                         optim_state_dict_config=None):
+    if (isinstance(state_dict_config, FullStateDictConfig) and state_dict_config.offload_to_cpu
+            and _on_cpu(module)):
+        # already on the CPU: nothing to offload (and offloading would free the only copy)
+        state_dict_config = dataclasses.replace(state_dict_config, offload_to_cpu=False)
+    return _torch_set_state_dict_type(module, state_dict_type, state_dict_config,
+                                      optim_state_dict_config)
+
+
+def _on_cpu(module: nn.Module) -> bool:
+    units = [u for u in FullyShardedDataParallel.fsdp_modules(module)
+             if getattr(u, "_mp_policy", False)]
+    return bool(units) and all(p.device.type == "cpu" for u in units for p in u.parameters())
+
+
+# -- flattened optimizer state dicts (torch.distributed.checkpoint.state_dict) -----------
+
+_torch_unflatten_optim_state_dict = getattr(dcp_state_dict, "_unflatten_optim_state_dict",
+                                            None)
+
+
+def _unflatten_optim_state_dict(optim, state_dict, info):
+    osd = _torch_unflatten_optim_state_dict(optim, state_dict, info)
+    if not any(getattr(m, "_mp_policy", False) for m in info.fsdp_modules):
+        return osd
+    saved: dict[str, dict[str, object]] = {}  # "state.<fqn>" -> {state name: value}
+    for key, value in state_dict.items():
+        if key.startswith("state."):
+            owner, _, name = key.rpartition(".")
+            saved.setdefault(owner, {})[name] = value
+    for fqn, param_state in osd["state"].items():
+        for name, value in saved.get(f"state.{fqn}", {}).items():
+            param_state.setdefault(name, value)  # the names this rank's optimizer lacks
+    return osd

@@ -1,0 +1,210 @@
+"""Mixed precision (``bf16`` / ``fp16``): one policy, whatever wraps the model.
+
+The policy is FSDP's: parameters stay float32 (the optimizer updates float32 masters),
+the forward and backward compute with parameters cast to the half type and floating
+inputs cast to it, and gradients arrive in float32 (so they are reduced in float32).
+``mp.shard`` gets it from FSDP2's ``MixedPrecisionPolicy``; unchanged FSDP1 scripts
+from FSDP1's ``MixedPrecision``; every other path (``mp.replicate``, ``transform``
+alone, ``DistributedModel`` without sharding) from :func:`compute_in`, which casts
+each module's parameters as its forward reads them (``param_views``).
+
+``fp16`` needs loss scaling: :class:`LossScaler` (``DistributedOptimizer`` uses one by
+itself). A float16 model whose optimizer steps on gradients no scaler unscaled is an
+error (:func:`require_loss_scaling`), not a silent underflow.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from modelparallel.parallel.param_views import add_view
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_ATTR = "_mp_compute_dtype"
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The half type :func:`compute_in` gave ``model``, if any."""
+    return getattr(model, _DTYPE_ATTR, None)
+
+
+def compute_in(model: nn.Module, dtype: torch.dtype, blocks: list[nn.Module]) -> None:
+    """Compute ``model``'s forward and backward in ``dtype`` with float32 parameters.
+
+    Every floating parameter is cast as its module's forward reads it (the cast is
+    differentiable: the gradient comes back to the float32 parameter in float32), and
+    floating inputs of the model and of each of ``blocks`` are cast as FSDP casts the
+    inputs of its units. Idempotent.
+    """
+    if compute_dtype(model) is not None:
+        return
+    object.__setattr__(model, _DTYPE_ATTR, dtype)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    for module in model.modules():
+        names = [n for n, p in module.named_parameters(recurse=False) if p.is_floating_point()]
+        if names:
+            add_view(module, cast, names)
+
+    def cast_inputs(module, args, kwargs):
+        return pytree.tree_map(
+            lambda t: cast(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+    for unit in [model, *blocks]:
+        unit.register_forward_pre_hook(cast_inputs, with_kwargs=True, prepend=True)
+
+
+# -- loss scaling ------------------------------------------------------------------------
+
+class LossScaler:
+    """Dynamic (or static) loss scaling for float16 training, agreed on by every rank.
+
+    ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()``.
+    ``step`` unscales the gradients (float32 masters, any sharding) and skips the
+    optimizer step when any rank found an inf or NaN in its part (one all-reduce over
+    ``group``, default every rank). ``update`` adapts the scale as SMP v1's
+    ``dynamic_loss_args`` describe (Apex's dynamic scaler): on overflow divide by
+    ``scale_factor`` (not below ``min_scale``) after ``delayed_shift`` overflows; after
+    ``scale_window`` steps without one, multiply by ``scale_factor``. ``dynamic=False``
+    keeps ``init_scale`` and still skips overflowing steps. ``state_dict()`` holds it all.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 32, scale_factor: float = 2.0,
+                 scale_window: int = 1000, min_scale: float = 1.0, delayed_shift: int = 1,
+                 consecutive_hysteresis: bool = False, *, dynamic: bool = True,
+                 group: dist.ProcessGroup | None = None):
+        if not (init_scale > 0 and math.isfinite(init_scale)):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
+        self.scale_value = float(init_scale)
+        self.scale_factor = float(scale_factor)
+        self.scale_window = int(scale_window)
+        self.min_scale = float(min_scale)
+        self.delayed_shift = int(delayed_shift)
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.dynamic = dynamic
+        self.group = group
+        self.iteration = 0
+        self.last_overflow_iteration = -1
+        self.hysteresis = self.delayed_shift
+        self.overflow = False  # the last step's gradients held an inf or NaN
+        self._unscaled: set[int] = set()  # ids of optimizers unscaled since their last step
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` (in float32) times the current scale."""
+        return loss.float() * self.scale_value
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Divide the gradients of ``optimizer``'s parameters by the scale; returns whether
+        any rank found an inf or NaN (then the gradients are left as they are)."""
+        grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        bad = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            bad += (~torch.isfinite(g)).sum().cpu().float()
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            device = grads[0].device if grads and grads[0].device.type == "cuda" else "cpu"
+            bad = bad.to(device)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        self.overflow = bool(bad.item() > 0)
+        if not self.overflow:
+            inverse = 1.0 / self.scale_value
+            for g in grads:
+                g.mul_(inverse)
+        self._unscaled.add(id(optimizer))
+        optimizer._mp_unscaled = True  # type: ignore[attr-defined]  # read by _check_scaled
+        return self.overflow
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless :meth:`unscale_` ran) and step, or skip the step on overflow."""
+        if id(optimizer) not in self._unscaled:
+            self.unscale_(optimizer)
+        self._unscaled.discard(id(optimizer))
+        if self.overflow:
+            optimizer._mp_unscaled = False  # type: ignore[attr-defined]
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self) -> None:
+        """Adapt the scale to the last step's overflow (dynamic scaling only)."""
+        if self.dynamic:
+            if self.overflow:
+                if self.delayed_shift == 1 or self.hysteresis == 1:
+                    self.scale_value = max(self.scale_value / self.scale_factor, self.min_scale)
+                else:
+                    self.hysteresis -= 1
+                self.last_overflow_iteration = self.iteration
+            else:
+                if self.consecutive_hysteresis:
+                    self.hysteresis = self.delayed_shift
+                if (self.iteration - self.last_overflow_iteration) % self.scale_window == 0:
+                    if not self.consecutive_hysteresis:
+                        self.hysteresis = self.delayed_shift
+                    self.scale_value *= self.scale_factor
+        self.iteration += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale_value, "iteration": self.iteration,
+                "last_overflow_iteration": self.last_overflow_iteration,
+                "hysteresis": self.hysteresis, "overflow": self.overflow,
+                "dynamic": self.dynamic, "scale_factor": self.scale_factor,
+                "scale_window": self.scale_window, "min_scale": self.min_scale,
+                "delayed_shift": self.delayed_shift,
+                "consecutive_hysteresis": self.consecutive_hysteresis}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale_value = float(state["scale"])
+        self.iteration = int(state["iteration"])
+        self.last_overflow_iteration = int(state["last_overflow_iteration"])
+        self.hysteresis = int(state["hysteresis"])
+        self.overflow = bool(state["overflow"])
+        self.dynamic = bool(state["dynamic"])
+        self.scale_factor = float(state["scale_factor"])
+        self.scale_window = int(state["scale_window"])
+        self.min_scale = float(state["min_scale"])
+        self.delayed_shift = int(state["delayed_shift"])
+        self.consecutive_hysteresis = bool(state["consecutive_hysteresis"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# -- float16 without a loss scaler is an error ----------------------------------------------
+
+_FP16_ATTR = "_mp_needs_loss_scaling"
+_hook_installed = False
+
+
+def require_loss_scaling(model: nn.Module) -> None:
+    """Make an optimizer step over ``model``'s parameters that no :class:`LossScaler`
+    prepared raise, naming the fix (float16 gradients underflow without scaling). Call
+    it on the final (wrapped) model: the mark is on its parameter objects."""
+    global _hook_installed
+    for p in model.parameters():
+        setattr(p, _FP16_ATTR, True)
+    if not _hook_installed:
+        register_optimizer_step_pre_hook(_check_scaled)
+        _hook_installed = True
+
+
+def _check_scaled(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if getattr(optimizer, "_mp_unscaled", False):
+        optimizer._mp_unscaled = False  # type: ignore[attr-defined]
+        return
+    if any(getattr(p, _FP16_ATTR, False) for g in optimizer.param_groups for p in g["params"]):
+        raise RuntimeError(
+            "fp16=True: the model computes in float16, whose gradients underflow without loss "
+            "scaling, and optimizer.step() ran on gradients no loss scaler unscaled. Use "
+            "scaler = mp.LossScaler(); scaler.scale(loss).backward(); scaler.step(optimizer); "
+            "scaler.update() (mp.DistributedModel with mp.DistributedOptimizer does this "
+            "itself), or train in bf16.")

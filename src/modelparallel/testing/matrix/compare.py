@@ -1,0 +1,115 @@
+"""Judge a case: every rank's result against the one-process reference and each other.
+
+Tolerances (relative; a parameter or state tensor compares its largest difference to
+its largest absolute value):
+
+- fp32: 1e-5, as every parity test of the suite.
+- bf16 (unit round-off u = 2^-9) and fp16 (u = 2^-12; loss scaling is by powers of two,
+  exact): every op rounds its output, so two computations that only sum in a different
+  order — one process on the whole global batch, and one process on the same batch cut
+  the way the parallel run cuts it (data replicas x accumulation passes x
+  microbatches, one backward per slice) — already differ, and by much more than u
+  where a gradient is a sum of terms that cancel (measured here: momentum buffers of a
+  Qwen3 3e-2 apart in bf16, 4e-3 in fp16). The parallel run is one more such order, so
+  each loss and tensor may differ from the whole-batch reference by 3x what the two
+  one-process runs differ by, and at least 10 u (2e-2 bf16, 2.5e-3 fp16); the loss
+  scale must be the same, step for step.
+
+A tensor whose exact gradient is zero (an attention key bias: softmax ignores a constant
+added to every logit of a row) holds only round-off, which no relative test can compare:
+every tensor may also differ by one unit round-off of the largest value of its kind
+(parameters, or optimizer state) in the model — below that, a value is noise.
+
+With dropout the masks of a parallel run are not one process's masks, so only the
+checks that hold regardless are made: losses finite, and every rank holding a value
+holds the same value (below).
+
+On every case, whatever the precision: all ranks report the same losses, and the full
+parameters and optimizer state each rank gathered are bitwise equal across ranks. A
+rank gathers a replicated value from its own copy, so this is the test that replicas
+(data-parallel, tensor-parallel, pipeline-stage copies) never drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from modelparallel.testing.matrix.space import Case
+from modelparallel.testing.matrix.train import RunResult
+
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2.5e-3}
+UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -9, "fp16": 2.0 ** -12}
+
+
+NOISE_MARGIN = 3.0  # half precision: times the spread of two legal summation orders
+
+
+def problems(case: Case, results: list[RunResult], ref: RunResult | None,
+             sliced: RunResult | None = None) -> tuple[list[str], float]:
+    """What is wrong with a case's per-rank results, and the worst difference from the
+    reference relative to the tolerance's base (0 when there is nothing to compare
+    with). ``sliced``: the reference cut as the case cuts its batches (half precision)."""
+    found: list[str] = []
+    first = results[0]
+    for rank, r in enumerate(results[1:], 1):
+        if r.losses != first.losses:
+            found.append(f"rank {rank} reports losses {r.losses}, rank 0 {first.losses}")
+        found += _bitwise("parameter", first.params, r.params, rank)
+        found += _bitwise("optimizer state", first.optimizer, r.optimizer, rank)
+    if any(not math.isfinite(v) for v in first.losses):
+        found.append(f"non-finite loss: {first.losses}")
+    if ref is None or case.dropout:
+        return found, 0.0
+    base = TOLERANCE[case.precision]
+    worst = 0.0
+    for step, (a, b) in enumerate(zip(first.losses, ref.losses, strict=False)):
+        rel = abs(a - b) / abs(b)
+        tol = base if sliced is None else max(
+            base, NOISE_MARGIN * abs(sliced.losses[step] - b) / abs(b))
+        worst = max(worst, rel)
+        if not rel <= tol:
+            found.append(f"step {step}: loss {a:.8f} vs reference {b:.8f} (relative {rel:.2e})")
+    if len(first.losses) != len(ref.losses):
+        found.append(f"{len(first.losses)} losses vs {len(ref.losses)} in the reference")
+    for what, got, want, other in (
+            ("parameter", first.params, ref.params, sliced.params if sliced else None),
+            ("optimizer state", first.optimizer, ref.optimizer,
+             sliced.optimizer if sliced else None)):
+        missing = sorted(set(want) - set(got))
+        if missing:
+            found.append(f"{what}s missing from the run: {missing[:5]}")
+        floor = UNIT_ROUNDOFF[case.precision] * max(
+            (t.float().abs().max().item() for t in want.values() if t.numel()), default=0.0)
+        for name in sorted(set(want) & set(got)):
+            a, b = got[name].float(), want[name].float()
+            if a.shape != b.shape:
+                found.append(f"{what} {name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+                continue
+            diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+            tol = base
+            if other is not None and name in other:
+                noise = (other[name].float() - b).abs().max().item()
+                tol = max(base, NOISE_MARGIN * noise / scale) if scale else base
+            worst = max(worst, max(0.0, diff - floor) / scale if scale else diff)
+            if not diff <= tol * scale + floor:
+                found.append(f"{what} {name}: max difference {diff:.3e} > {tol} x "
+                             f"{scale:.3e} + {floor:.1e}")
+    if case.precision == "fp16" and first.scaler != ref.scaler:
+        found.append(f"loss scaler {first.scaler} vs reference {ref.scaler}")
+    return found, worst
+
+
+def _bitwise(what: str, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+             rank: int) -> list[str]:
+    out = []
+    if set(a) != set(b):
+        out.append(f"rank {rank} has {what} names {sorted(set(a) ^ set(b))[:5]} rank 0 lacks "
+                   "or the other way round")
+    for name in sorted(set(a) & set(b)):
+        if not torch.equal(a[name], b[name]):
+            diff = (a[name].float() - b[name].float()).abs().max().item()
+            out.append(f"{what} {name} differs between rank 0 and rank {rank} (max {diff:.3e}):"
+                       " replicas drifted apart")
+    return out

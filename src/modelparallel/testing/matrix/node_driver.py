@@ -1,0 +1,46 @@
+"""The worker script of a 2-node matrix run: every case of a batch, results to a file.
+
+Run by ``modelparallel run --nnodes 2 ...`` on each node: ``node_driver.py CASES OUT``.
+Each rank writes ``OUT/rank<R>.pkl``: case id -> (result, error, seconds).
+"""
+
+import datetime
+import pickle
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import modelparallel
+from modelparallel.testing.matrix.space import Case
+from modelparallel.testing.matrix.train import run_rank
+
+
+def main() -> None:
+    cases = pickle.loads(Path(sys.argv[1]).read_bytes())
+    out = Path(sys.argv[2])
+    torch.set_num_threads(1)
+    # a case that fails on one rank leaves the others in a collective: give up in 60 s
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    results = {}
+    for case_dict in cases:
+        case = Case.from_dict(case_dict)
+        start = time.monotonic()
+        try:
+            results[case.id] = (run_rank(case_dict), None, time.monotonic() - start)
+        except Exception as e:
+            text = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            results[case.id] = (None, text, time.monotonic() - start)
+        finally:
+            modelparallel.reset()
+        (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Run cases of the parity matrix in real processes and judge them.
+
+Single-node cases run in :class:`~modelparallel.testing.WorkerGroup` processes, started
+once per world size and reused. The 2-node cases run through the launcher as a real
+multi-node job would: two ``modelparallel run --nnodes 2 --node-rank R`` agents (static
+rendezvous on loopback), whose workers run the whole batch of cases in
+``node_driver.py`` and write each rank's results to a file.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from modelparallel.testing.matrix import compare, train
+from modelparallel.testing.matrix.space import Case, expected_refusal
+from modelparallel.testing.workers import WorkerError, WorkerGroup
+
+OK_STATUSES = ("pass", "refused as expected")
+
+
+@dataclass
+class Outcome:
+    case: Case
+    status: str  # "pass", "refused as expected" or "FAIL"
+    worst: float  # largest relative difference from the reference (0 if none)
+    detail: str  # why it failed, or the refusal message
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status in OK_STATUSES
+
+
+def _reference_key(case: Case) -> tuple:
+    """Cases with equal keys share one reference (same model, depth, data, precision)."""
+    return (case.model, case.layers, case.rows, case.precision)
+
+
+def judge(case: Case, results: list[train.RunResult] | None, error: str | None,
+          seconds: float) -> Outcome:
+    refusal = expected_refusal(case)
+    if refusal is not None:
+        key, fragment = refusal.key, refusal.fragment
+        if refusal.by_config:
+            checked = _check_config(case)
+            if not (key in checked and fragment in checked):
+                return Outcome(case, "FAIL", 0.0, f"check-config should refuse {key!r} "
+                               f"({fragment!r}); it says: {checked or 'valid'}", seconds)
+        if error is not None and "ConfigError" in error and key in error and fragment in error:
+            ranks = error.count("--- rank ")
+            if ranks == case.layout.processes:
+                return Outcome(case, "refused as expected", 0.0, _config_error(error), seconds)
+            return Outcome(case, "FAIL", 0.0, f"refused on {ranks} of {case.layout.processes} "
+                           f"ranks only:\n{error}", seconds)
+        return Outcome(case, "FAIL", 0.0, f"expected a refusal naming {key!r} ({fragment!r}); "
+                       f"got: {error or 'it trained'}", seconds)
+    if error is not None:
+        return Outcome(case, "FAIL", 0.0, error, seconds)
+    assert results is not None
+    ref = sliced = None
+    if not case.dropout:
+        ref = _cached_reference(case)
+        if case.precision != "fp32":
+            sliced = _cached_reference(case, sliced=True)
+    found, worst = compare.problems(case, results, ref, sliced)
+    if found:
+        return Outcome(case, "FAIL", worst, "\n".join(found[:20]), seconds)
+    return Outcome(case, "pass", worst, "", seconds)
+
+
+_REFERENCES: dict[tuple, train.RunResult] = {}
+
+
+def _cached_reference(case: Case, *, sliced: bool = False) -> train.RunResult:
+    key = (*_reference_key(case), train.slices(case) if sliced else 1)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train.reference(case, sliced=sliced)
+    return _REFERENCES[key]
+
+
+def _check_config(case: Case) -> str:
+    """What ``modelparallel check-config`` says of the case's configuration ('' if valid)."""
+    from modelparallel.config import Config, ConfigError
+
+    try:
+        Config.load(case.config(), environ={}).validate_world(case.layout.processes)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def _config_error(error: str) -> str:
+    lines = [ln.strip() for ln in error.splitlines() if "ConfigError" in ln or ln.strip()
+             .startswith("- ")]
+    return " ".join(lines[:3])[:300]
+
+
+# -- one node ----------------------------------------------------------------------------------
+
+def run_on_group(group: WorkerGroup, case: Case) -> Outcome:
+    start = time.monotonic()
+    try:
+        results = group.run(train.run_rank, case_dict=case.as_dict())
+        error = None
+    except WorkerError as e:
+        results, error = None, str(e)
+    return judge(case, results, error, time.monotonic() - start)
+
+
+def run_cases(cases: Iterable[Case], *, on_outcome: Callable[[Outcome], None] | None = None,
+              case_timeout_s: float = 600) -> list[Outcome]:
+    """Run ``cases`` (single-node ones by world size in worker groups, the 2-node ones in
+    one multi-node launch) and judge each; ``on_outcome`` sees each as it comes."""
+    cases = list(cases)
+    outcomes = []
+    single = sorted((c for c in cases if c.layout.nodes == 1),
+                    key=lambda c: (c.layout.processes, c.id))
+    for world in sorted({c.layout.processes for c in single}):
+        with WorkerGroup(world, case_timeout_s=case_timeout_s) as group:
+            for case in (c for c in single if c.layout.processes == world):
+                outcome = run_on_group(group, case)
+                outcomes.append(outcome)
+                if on_outcome:
+                    on_outcome(outcome)
+    multi = [c for c in cases if c.layout.nodes > 1]
+    if multi:
+        for outcome in run_multinode(multi):
+            outcomes.append(outcome)
+            if on_outcome:
+                on_outcome(outcome)
+    return outcomes
+
+
+# -- two nodes ---------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_multinode(cases: list[Case], timeout_s: float = 3600) -> Iterator[Outcome]:
+    """Run 2 x 2 cases as one job of two launcher agents; yield their outcomes."""
+    driver = Path(__file__).with_name("node_driver.py")
+    with tempfile.TemporaryDirectory(prefix="mp-matrix-") as tmp:
+        spec = Path(tmp, "cases.pkl")
+        spec.write_bytes(pickle.dumps([c.as_dict() for c in cases]))
+        port = _free_port()
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        start = time.monotonic()
+        agents = [subprocess.Popen(
+            [sys.executable, "-m", "modelparallel", "run", "--nnodes", "2", "--node-rank",
+             str(node), "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             str(driver), str(spec), tmp], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+        logs = []
+        for agent in agents:
+            try:
+                out, _ = agent.communicate(timeout=max(1, timeout_s - (time.monotonic()
+                                                                       - start)))
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                out, _ = agent.communicate()
+            logs.append(out)
+        per_rank = []
+        for rank in range(4):
+            path = Path(tmp, f"rank{rank}.pkl")
+            per_rank.append(pickle.loads(path.read_bytes()) if path.exists() else {})
+        for case in cases:
+            got = [r.get(case.id) for r in per_rank]
+            if any(g is None for g in got):
+                yield judge(case, None, "the 2-node job ended before this case finished:\n"
+                            + "\n".join(log[-3000:] for log in logs), 0.0)
+                continue
+            errors = [(rank, e) for rank, (_, e, _) in enumerate(got) if e is not None]
+            seconds = max(s for _, _, s in got)
+            if errors:
+                text = f"{case.id} failed on 4 ranks:\n" + "\n".join(
+                    f"--- rank {rank} ---\n{e}" for rank, e in errors)
+                yield judge(case, None, text, seconds)
+            else:
+                yield judge(case, [r for r, _, _ in got], None, seconds)

@@ -1,0 +1,385 @@
+"""The configuration space of the parity matrix, and the cases generated from it.
+
+Layout axes — world size (1, 2, 4, 8 processes on one node, and 2 nodes x 2), pipeline,
+tensor-parallel and hybrid-shard degrees, placement strategy (when two or more
+degrees exceed 1), pipeline schedule and its virtual stages (when pp > 1) — and the
+API path are crossed exhaustively. The other axes (model, precision, microbatches,
+prescaled batch, activation checkpointing, ddp, gradient accumulation, dropout) are
+assigned to those cases so that every triple of their values that some case can hold
+appears at least once (a greedy covering array, seeded, so the list is the same on
+every run). :func:`ci_cases` picks a subset in which every pair of values of all axes
+appears, plus a fixed list of regression cases.
+
+Each case knows what it expects: parity with one process, or a refusal (the key and
+a fragment of the message) derived from the rules in :func:`expected_refusal`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from modelparallel.testing.matrix.zoo import MODELS
+
+WORLDS: tuple[int | str, ...] = (1, 2, 4, 8, "2x2")
+PATHS = ("v1", "shard", "fsdp1", "ddp", "smddp")
+PATH_DOC = {
+    "v1": "SMP v1: mp.DistributedModel + @mp.step + mp.DistributedOptimizer",
+    "shard": "mp.transform + mp.shard (FSDP2)",
+    "fsdp1": "mp.transform + torch FSDP1 as SMP v2 scripts write it",
+    "ddp": "mp.transform + mp.replicate (DDP)",
+    "smddp": "modelparallel.dataparallel (SMDDP's DistributedDataParallel)",
+}
+PLACEMENTS = ("cluster", "spread", "PDT", "PTD", "DTP", "TDP")
+# schedule -> virtual stages it runs with (per pipeline degree where it differs)
+SCHEDULES = ("simple", "interleaved", "interleaved_1f1b", "looped_bfs",
+             "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
+LOOP_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+V_SCHEDULES = ("zbv_zero_bubble", "dualpipe_v")
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
+
+OTHER_AXES: dict[str, tuple[Any, ...]] = {
+    "model": MODELS,
+    "precision": ("fp32", "bf16", "fp16"),
+    "microbatches": (1, 2, 4),
+    "prescaled_batch": (False, True),
+    "checkpointing": (False, True),
+    "ddp": (False, True),
+    "accumulation": ("none", "steps", "no_sync"),
+    "dropout": (False, True),
+}
+STEPS = 3  # optimizer steps per case
+ACCUMULATION = 2  # backward passes per optimizer step when accumulating
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """How the processes are laid out: degrees, placement, pipeline schedule."""
+
+    world: int | str  # a process count on one node, or "2x2" (2 nodes x 2 processes)
+    pp: int
+    tp: int
+    hsd: int  # hybrid_shard_degree
+    placement: str = "cluster"
+    schedule: str | None = None  # pipeline schedule when pp > 1
+    virtual_stages: int = 1
+
+    @property
+    def nodes(self) -> int:
+        return 2 if self.world == "2x2" else 1
+
+    @property
+    def processes(self) -> int:
+        return 4 if self.world == "2x2" else int(self.world)
+
+    @property
+    def dp(self) -> int:
+        """Reduced data-parallel size (ranks holding the same part of the model)."""
+        return self.processes // (self.pp * self.tp)
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp if self.hsd == 0 else self.hsd
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def config(self) -> dict[str, Any]:
+        c: dict[str, Any] = {"pipeline_parallel_degree": self.pp,
+                             "tensor_parallel_degree": self.tp, "hybrid_shard_degree": self.hsd,
+                             "placement_strategy": self.placement}
+        if self.schedule is not None:
+            c["pipeline"] = self.schedule
+            if self.virtual_stages > 1:
+                c["virtual_stages"] = self.virtual_stages
+        return c
+
+    def label(self) -> str:
+        parts = [f"w{self.world}", f"pp{self.pp}", f"tp{self.tp}", f"hsd{self.hsd}"]
+        if sum(d > 1 for d in (self.pp, self.tp, self.dp)) >= 2:
+            parts.append(self.placement)
+        if self.schedule:
+            parts.append(self.schedule + (f"v{self.virtual_stages}"
+                                          if self.virtual_stages > 1 else ""))
+        return "-".join(parts)
+
+
+def layouts() -> Iterator[Layout]:
+    """Every layout of every world size (hybrid_shard_degree equal to the data-parallel
+    size is the same layout as 0, so only 0 is listed)."""
+    for world in WORLDS:
+        n = 4 if world == "2x2" else int(world)
+        for pp in _divisors(n):
+            for tp in _divisors(n // pp):
+                dp = n // (pp * tp)
+                hsds = [0, *([1] if dp > 1 else []), *[k for k in _divisors(dp) if 1 < k < dp]]
+                several = sum(d > 1 for d in (pp, tp, dp)) >= 2
+                for hsd, placement in itertools.product(
+                        hsds, PLACEMENTS if several else ("cluster",)):
+                    for schedule, v in _schedules(pp):
+                        yield Layout(world, pp, tp, hsd, placement, schedule, v)
+
+
+def _schedules(pp: int) -> Iterator[tuple[str | None, int]]:
+    if pp == 1:
+        yield None, 1
+        return
+    for schedule in SCHEDULES:
+        if schedule in LOOP_SCHEDULES:
+            yield from ((schedule, v) for v in ((2, 3) if pp == 2 else (2,)))
+        elif schedule in V_SCHEDULES:
+            yield schedule, 2
+        else:
+            yield schedule, 1
+
+
+@dataclass(frozen=True, order=True)
+class Case:
+    """One layout, one API path and one value of every other axis."""
+
+    layout: Layout
+    path: str
+    model: str = "gpt"
+    precision: str = "fp32"
+    microbatches: int = 1
+    prescaled_batch: bool = False
+    checkpointing: bool = False
+    ddp: bool = False
+    accumulation: str = "none"
+    dropout: bool = False
+    note: str = ""  # why a regression case is in the list
+
+    @property
+    def id(self) -> str:
+        flags = [self.path, self.model, self.precision]
+        if self.microbatches > 1:
+            flags.append(f"mb{self.microbatches}")
+        flags += [name for name, on in (("prescaled", self.prescaled_batch),
+                                        ("ckpt", self.checkpointing), ("ddp", self.ddp),
+                                        ("dropout", self.dropout)) if on]
+        if self.accumulation != "none":
+            flags.append(f"acc-{self.accumulation}")
+        return f"{self.layout.label()}-{'-'.join(flags)}"
+
+    @property
+    def layers(self) -> int:
+        """Repeated layers of the model: 2, or one per pipeline stage if more."""
+        return max(2, self.layout.stages)
+
+    def config(self) -> dict[str, Any]:
+        c = self.layout.config()
+        c["microbatches"] = self.microbatches
+        if self.prescaled_batch:
+            c["prescaled_batch"] = True
+        if self.ddp:
+            c["ddp"] = True
+        if self.precision != "fp32":
+            c[self.precision] = True
+        return c
+
+    @property
+    def data_replicas(self) -> int:
+        """How many different slices of each global batch the ranks read: one per
+        data-parallel rank (SMP's dp_size), or per reduced data-parallel rank when the
+        ranks of a tensor-parallel group read the same batch."""
+        lay = self.layout
+        return lay.dp if self.prescaled_batch else lay.dp * lay.tp
+
+    @property
+    def rows(self) -> int:
+        """Global batch rows per optimizer step: 2 per microbatch per data replica."""
+        passes = ACCUMULATION if self.accumulation != "none" else 1
+        return self.data_replicas * self.microbatches * passes * 2
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Case:
+        return cls(**{**d, "layout": Layout(**d["layout"])})
+
+
+# -- which values a case can take ------------------------------------------------------
+
+def allowed(layout: Layout, path: str, axis: str) -> tuple[Any, ...]:
+    """The values of ``axis`` that make sense for this layout and path."""
+    values = OTHER_AXES[axis]
+    if axis == "microbatches":
+        if path != "v1":
+            return (1,)
+        ok = tuple(m for m in values if schedule_accepts(layout, m))
+        return ok or (_smallest_microbatches(layout),)
+    if axis == "ddp" and path != "v1":
+        return (False,)
+    return values
+
+
+def schedule_accepts(layout: Layout, m: int) -> bool:
+    """Whether the pipeline schedule runs ``m`` microbatches (the rules torch's schedule
+    classes enforce, written from their documentation)."""
+    pp, v, name = layout.pp, layout.virtual_stages, layout.schedule
+    if name == "dualpipe_v" and m < pp * v:
+        return False
+    if name in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        rounds = max(1, m // pp)
+        return m % rounds == 0
+    return True
+
+
+def _smallest_microbatches(layout: Layout) -> int:
+    return next(m for m in (8, 16, 32) if schedule_accepts(layout, m))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What the library must say instead of training: the key its ConfigError names, a
+    fragment of the message, and whether the configuration alone decides it (then
+    ``check-config`` refuses it too)."""
+
+    key: str
+    fragment: str
+    by_config: bool
+
+
+def expected_refusal(case: Case) -> Refusal | None:
+    """The refusal a case must get, from rules written here (not asked of the library)."""
+    lay = case.layout
+    if case.path in ("ddp", "smddp") and lay.hsd >= 2:
+        return Refusal("hybrid_shard_degree", "replicates; use mp.shard()", by_config=False)
+    shards = lay.dp_shard > 1 and (not case.ddp or lay.hsd >= 2)
+    if lay.schedule in SPLIT_BACKWARD and shards:
+        return Refusal("pipeline", "computes weight gradients in a separate pass",
+                       by_config=True)
+    return None
+
+
+# -- generating ----------------------------------------------------------------------
+
+def base_cases() -> list[tuple[Layout, str]]:
+    """Layout x API path, exhaustively (paths other than SMP v1 have no pipeline)."""
+    return [(lay, path) for lay in layouts() for path in PATHS if lay.pp == 1 or path == "v1"]
+
+
+def _triples(assignment: dict[str, Any]) -> Iterator[tuple]:
+    items = sorted(assignment.items())
+    return itertools.combinations(items, 3)
+
+
+def full_cases(seed: int = 0) -> list[Case]:
+    """Every layout x API path, the other axes covering every achievable triple of their
+    values (values a layout is forced to, such as 16 microbatches for DualPipeV on 8
+    stages, are not axis values and need no triple)."""
+    rng = random.Random(seed)
+    bases = base_cases()
+    axes = sorted(OTHER_AXES)  # the order _triples gives
+    options = {(lay, path): {a: allowed(lay, path, a) for a in axes} for lay, path in bases}
+    achievable = set()
+    for opts in options.values():
+        for combo in itertools.combinations(axes, 3):
+            values = [[v for v in opts[a] if v in OTHER_AXES[a]] for a in combo]
+            for triple in itertools.product(*values):
+                achievable.add(tuple(zip(combo, triple, strict=True)))
+    covered: set[tuple] = set()
+    cases = []
+
+    def assign(base: tuple[Layout, str], fixed: dict[str, Any]) -> dict[str, Any]:
+        opts = {**options[base], **{a: (v,) for a, v in fixed.items()}}
+        best, best_gain = {}, -1
+        for _ in range(4):
+            pick = {a: rng.choice(opts[a]) for a in axes}
+            for _ in range(2):  # coordinate ascent: each axis to its best value
+                for a in rng.sample(axes, len(axes)):
+                    pick[a] = max(opts[a], key=lambda v, a=a: _gain({**pick, a: v}, covered))
+            gain = _gain(pick, covered)
+            if gain > best_gain:
+                best, best_gain = dict(pick), gain
+        return best
+
+    def add(base: tuple[Layout, str], pick: dict[str, Any]) -> None:
+        covered.update(_triples(pick))
+        cases.append(Case(base[0], base[1], **pick))
+
+    for base in bases:
+        add(base, assign(base, {}))
+    cheapest = sorted(bases, key=lambda b: (b[0].processes, b[0].stages, b[0].label()))
+    for triple in sorted(achievable - covered, key=repr):
+        if triple in covered:
+            continue
+        fixed = dict(triple)
+        base = next(b for b in cheapest
+                    if all(v in options[b][a] for a, v in fixed.items()))
+        add(base, assign(base, fixed))
+    return cases
+
+
+def _gain(assignment: dict[str, Any], covered: set[tuple]) -> int:
+    return sum(1 for t in _triples(assignment) if t not in covered)
+
+
+def _pairs(case: Case) -> set[tuple]:
+    lay = case.layout
+    values = {"world": lay.world, "pp": lay.pp, "tp": lay.tp, "hsd": lay.hsd,
+              "placement": lay.placement, "schedule": (lay.schedule, lay.virtual_stages),
+              "path": case.path, **{a: getattr(case, a) for a in OTHER_AXES}}
+    return set(itertools.combinations(sorted(values.items(), key=lambda kv: kv[0]), 2))
+
+
+def cost(case: Case) -> float:
+    """Rough seconds a case takes on a 2-core machine (world size and layers dominate)."""
+    lay = case.layout
+    return 2 + lay.processes ** 1.3 * (1 + 0.15 * case.layers) * (1 + case.microbatches / 4)
+
+
+def pairwise_subset(cases: Iterable[Case]) -> list[Case]:
+    """Cases of ``cases`` in which every pair of values of any two axes (layout axes,
+    path and the others) appears at least once, favouring cheap cases."""
+    pool = list(cases)
+    need = set().union(*(_pairs(c) for c in pool))
+    chosen = []
+    while need:
+        case = max(pool, key=lambda c: (len(_pairs(c) & need) / cost(c), c.id))
+        chosen.append(case)
+        need -= _pairs(case)
+    return chosen
+
+
+def regression_cases() -> list[Case]:
+    """The layouts and models that trained silently wrong or crashed before (issue 14)."""
+    L = Layout
+    return [
+        Case(L(4, 1, 2, 0), "v1", "noplan", note="no TP plan: TP ranks are replicas"),
+        Case(L(8, 2, 2, 0, schedule="interleaved"), "v1", "noplan", microbatches=2,
+             note="no TP plan under pp2 x tp2 x dp2"),
+        Case(L(4, 1, 2, 2), "shard", "noplan", note="no TP plan under FSDP2"),
+        Case(L(4, 1, 2, 1), "ddp", "noplan", note="no TP plan under DDP"),
+        Case(L(4, 1, 2, 0), "fsdp1", "noplan", note="no TP plan under FSDP1"),
+        Case(L(2, 1, 2, 0), "shard", "partial", note="only some blocks have a plan"),
+        Case(L(2, 1, 2, 0), "v1", "qwen3", note="q_norm/k_norm on split heads"),
+        Case(L(4, 1, 2, 2), "shard", "qwen3", prescaled_batch=True,
+             note="q_norm/k_norm on split heads, FSDP2"),
+        Case(L(2, 1, 2, 0), "fsdp1", "gpt", note="FSDP1 with tp2 and one data-parallel rank"),
+        Case(L(4, 1, 1, 1), "v1", "gpt", ddp=True, note="ddp replicas start equal"),
+        Case(L(4, 1, 1, 1), "ddp", "gpt", precision="bf16", note="bf16 under mp.replicate"),
+        Case(L(2, 1, 2, 0), "ddp", "gpt", precision="bf16", note="bf16 under transform"),
+        Case(L(4, 1, 2, 0), "fsdp1", "gpt", precision="bf16", note="bf16 with FSDP1"),
+        Case(L(4, 2, 1, 1, schedule="interleaved"), "v1", "gpt", precision="bf16", ddp=True,
+             microbatches=2, note="bf16 with ddp=True replicas"),
+        Case(L(2, 1, 1, 0), "v1", "gpt", precision="fp16", note="fp16 loss scaling"),
+        Case(L(4, 1, 1, 2), "shard", "gpt", precision="fp16", note="fp16 with mp.shard"),
+    ]
+
+
+def ci_cases() -> list[Case]:
+    """What CI runs: the pairwise subset of the full matrix and the regression cases."""
+    chosen = pairwise_subset(full_cases())
+    seen = {c.id for c in chosen}
+    return chosen + [c for c in regression_cases() if c.id not in seen]

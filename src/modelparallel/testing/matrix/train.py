@@ -1,0 +1,320 @@
+"""Train one case: on a rank through its API path, or in one process as the reference.
+
+Each path is written the way a user's script would be (SMP v1: DistributedModel and
+``@mp.step``; SMP v2: ``transform`` then FSDP2, FSDP1 or DDP; SMDDP's module). Every
+rank seeds its model with ``seed + dp_rank`` as SMP scripts commonly do (FSDP1 scripts
+alike: torch's FSDP1 starts from each rank's own values unless ``sync_module_states``),
+so the library's own synchronisation is part of what is tested. After the last step
+every rank gathers the full parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from modelparallel.testing.matrix import zoo
+from modelparallel.testing.matrix.space import ACCUMULATION, STEPS, Case
+
+SEED = 0
+LR, MOMENTUM = 0.1, 0.9
+FP16_INIT_SCALE = 2.0 ** 10  # large enough to matter, small enough not to overflow here
+
+
+@dataclass
+class RunResult:
+    """What a run produced: the global-batch loss of every step, and after the last step
+    the full parameters and flattened optimizer state (``state.<name>.<key>``), on CPU."""
+
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    scaler: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def passes(case: Case) -> int:
+    return ACCUMULATION if case.accumulation != "none" else 1
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+# -- the one-process reference -------------------------------------------------------------
+
+def slices(case: Case) -> int:
+    """Pieces a parallel run cuts each global batch into: data replicas x accumulation
+    passes x microbatches."""
+    return case.data_replicas * passes(case) * (case.microbatches if case.path == "v1" else 1)
+
+
+def reference(case: Case, *, sliced: bool = False) -> RunResult:
+    """One process, the same precision policy: the whole global batch per step, or
+    (``sliced``) the batch cut as the parallel run cuts it, one backward per slice."""
+    from modelparallel.parallel.precision import HALF, LossScaler, compute_in
+
+    model = zoo.build(case.model, case.layers, case.dropout, SEED)
+    if case.precision != "fp32":
+        compute_in(model, HALF[case.precision], zoo.blocks_of(model))
+    scaler = LossScaler(FP16_INIT_SCALE) if case.precision == "fp16" else None
+    optimizer = sgd(model.parameters())
+    loss_fn = zoo.loss_fn(case.model)
+    losses = []
+    pieces = slices(case) if sliced else 1
+    for x, y in zoo.batches(case.model, STEPS, case.rows):
+        optimizer.zero_grad()
+        n = x.shape[0] // pieces
+        loss = torch.zeros(())
+        for i in range(pieces):
+            part = loss_fn(model(x[i * n:(i + 1) * n]), y[i * n:(i + 1) * n]) / pieces
+            (scaler.scale(part) if scaler else part).backward()
+            loss = loss + part.detach()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        losses.append(float(loss.detach()))
+    state = {}
+    for name, p in model.named_parameters():
+        buf = optimizer.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            state[f"state.{name}.momentum_buffer"] = buf.detach().clone()
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return RunResult(losses, params, state, scaler.state_dict() if scaler else None)
+
+
+# -- one rank of the parallel run -------------------------------------------------------------
+
+def run_rank(case_dict: dict[str, Any]) -> RunResult:
+    """Train ``case`` on this rank (the default process group exists); gather the result."""
+    run = PathRun(Case.from_dict(case_dict))
+    losses = [run.step(x, y) for x, y in zoo.batches(run.case.model, STEPS, run.case.rows)]
+    return run.result(losses)
+
+
+class PathRun:
+    """A case's model, optimizer (and fp16 loss scaler) on this rank, built the way a
+    script on the case's API path builds them; ``step`` trains on one global batch."""
+
+    def __init__(self, case: Case, seed: int = SEED):
+        _quiet()
+        self.case = case
+        self.mp = mp = _init(case)
+        from modelparallel.parallel.precision import LossScaler
+
+        # SMP scripts often seed each rank apart; FSDP1 scripts start alike (torch's FSDP1
+        # takes each rank's own values unless sync_module_states)
+        model = zoo.build(case.model, case.layers, case.dropout,
+                          seed if case.path == "fsdp1" else seed + mp.dp_rank())
+        if case.model == "partial":
+            zoo.keep_first_block_whole(model)
+        self.scaler = LossScaler(FP16_INIT_SCALE) if case.precision == "fp16" else None
+        self.loss_fn = zoo.loss_fn(case.model)
+        self.passes = passes(case)
+        if case.path == "v1":
+            self.model = mp.DistributedModel(
+                model, backward_passes_per_step=2 if case.accumulation == "no_sync" else 1)
+            if case.checkpointing:  # SMP v1 scripts mark modules after wrapping
+                for block in zoo.blocks_of(self.model.module):
+                    mp.set_activation_checkpointing(block)
+            self.optimizer = mp.DistributedOptimizer(sgd(self.model.parameters()),
+                                                     loss_scaler=self.scaler)
+            self._train_step = _v1_step(mp, self.loss_fn, self.passes)
+        else:
+            self.model = _wrap_v2(case, mp, model)
+            self.optimizer = sgd(self.model.parameters())
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One optimizer step on this rank's rows of the global batch; the global loss."""
+        self.optimizer.zero_grad()
+        total = 0.0
+        for part in range(self.passes):
+            rows = _rows(self.case, x, part)
+            if self.case.path == "v1":
+                total += float(self._train_step(self.model, x[rows], y[rows]).reduce_mean())
+                continue
+            skip = self.case.accumulation == "no_sync" and part < self.passes - 1
+            with _no_sync(self.model, skip):
+                loss = self.loss_fn(self.model(x[rows]), y[rows])
+                ((self.scaler.scale(loss) if self.scaler else loss) / self.passes).backward()
+            total += float(loss.detach())
+        if self.scaler is not None and self.case.path != "v1":
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return _global_mean(total / self.passes)
+
+    def save(self, path: str, tag: str) -> None:
+        self.mp.save_checkpoint(path, tag, model=self.model, optimizer=self.optimizer,
+                                loss_scaler=self.scaler)
+
+    def resume(self, path: str) -> None:
+        self.mp.resume_from_checkpoint(path, model=self.model, optimizer=self.optimizer,
+                                       loss_scaler=self.scaler)
+
+    def result(self, losses: list[float]) -> RunResult:
+        """Full parameters and optimizer state, gathered on every rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from modelparallel.checkpoint import states
+
+        if self.case.path == "v1":
+            params = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            optim = _v1_optimizer_state(self.model, self.optimizer)
+        else:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+            params = {k: v.detach().cpu() for k, v in
+                      get_model_state_dict(self.model, options=options).items()}
+            optim = {k: v.detach() for k, v in states.optimizer_state(
+                self.model, self.optimizer, full=True, every_rank=True).items()
+                if isinstance(v, torch.Tensor)}
+        return RunResult(losses, params, optim,
+                         self.scaler.state_dict() if self.scaler else None)
+
+
+def _quiet() -> None:
+    """Warnings and torch's own error logs would bury the results; errors still raise."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("torch", "transformers", "modelparallel"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+
+
+def _init(case: Case):
+    import modelparallel as mp
+
+    if case.path == "smddp":  # as the launcher passes a job's configuration
+        import modelparallel.dataparallel as sdp
+
+        os.environ["MP_CONFIG"] = json.dumps(case.config())
+        try:
+            sdp.init_process_group(backend="smddp")
+        finally:
+            del os.environ["MP_CONFIG"]
+    else:
+        mp.init(case.config())
+    return mp
+
+
+def _rows(case: Case, x: torch.Tensor, part: int) -> slice:
+    """This rank's rows of a global batch for accumulation pass ``part``."""
+    from modelparallel.data import replica_rank_and_size
+
+    index, count = replica_rank_and_size()
+    per_rank = x.shape[0] // count
+    per_pass = per_rank // passes(case)
+    start = index * per_rank + part * per_pass
+    return slice(start, start + per_pass)
+
+
+def _global_mean(value: float) -> float:
+    """The mean over the data-parallel group of the losses its ranks computed (ranks that
+    read the same rows report the same loss, unless dropout draws differently)."""
+    import modelparallel as mp
+
+    t = torch.tensor(value, dtype=torch.float64)
+    group = mp.get_dp_process_group()
+    dist.all_reduce(t, group=group)
+    return float(t) / dist.get_world_size(group)
+
+
+def _v1_step(mp, loss_fn, n: int):
+    @mp.step
+    def train_step(model, x, y):
+        loss = loss_fn(model(x), y)
+        model.backward(loss / n)
+        return loss
+
+    return train_step
+
+
+def _v1_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
+    from modelparallel.checkpoint import states
+    from modelparallel.comm import PP_GROUP, get_process_group
+
+    optimizer._filter()
+    part = states.optimizer_state(model.module, optimizer.optimizer, full=True, every_rank=True)
+    parts: list[Any] = [None] * model._pp
+    dist.all_gather_object(parts, part, group=get_process_group(PP_GROUP))
+    full = {}
+    for p in parts:
+        full.update(p)
+    return {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    """Activation checkpointing as SMP v2 scripts apply it (torch's checkpoint wrapper)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    blocks = {id(b) for b in zoo.blocks_of(model)}
+    apply_activation_checkpointing(
+        model, check_fn=lambda m: id(m) in blocks,
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(
+            m, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+
+def _wrap_v2(case: Case, mp, model: nn.Module) -> nn.Module:
+    if case.path == "smddp":
+        import modelparallel.dataparallel as sdp
+
+        if case.checkpointing:
+            _checkpoint_blocks(model)
+        return sdp.DistributedDataParallel(model)
+    model = mp.transform(model)
+    if case.path == "shard":
+        if case.checkpointing:
+            _checkpoint_blocks(model)
+        return mp.shard(model)
+    if case.path == "ddp":
+        if case.checkpointing:
+            _checkpoint_blocks(model)
+        return mp.replicate(model)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    layer = {type(b) for b in zoo.blocks_of(model)}
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(layer),
+                                       use_orig_params=True)
+    if case.checkpointing:  # SMP v2's train_lib applies it after FSDP
+        _checkpoint_blocks(wrapped)
+    return wrapped
+
+
+def _no_sync(model: nn.Module, skip: bool):
+    """A context in which backward accumulates without reducing over data-parallel ranks."""
+    if not skip:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP, FSDP1
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 and its replicate
+        model.set_requires_gradient_sync(False)
+        return _restore_sync(model)
+    raise RuntimeError(f"{type(model).__name__} has no way to skip gradient synchronisation")
+
+
+@contextlib.contextmanager
+def _restore_sync(model):
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

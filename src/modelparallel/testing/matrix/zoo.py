@@ -1,0 +1,141 @@
+"""The models of the parity matrix: tiny, built from configs with random weights.
+
+Every size a layout can split divides 8 (the largest degree of the matrix): 8 query
+heads (16 with 8 key/value heads for grouped-query attention), MLP widths and the
+vocabulary. The number of layers grows with the pipeline stages a case needs. Hugging
+Face models are wrapped in :class:`Logits` so every model maps inputs to logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modelparallel.models import GPT, GPTConfig, ViT, ViTConfig
+from modelparallel.models.gpt import lm_loss
+
+VOCAB, SEQ, IMAGE, CLASSES = 64, 8, 8, 8
+HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "neox")
+MODELS = ("gpt", "vit", *HF_MODELS, "noplan", "partial", "tied")
+IMAGE_MODELS = ("vit",)
+
+
+class Logits(nn.Module):
+    """A Hugging Face model as a function of its inputs returning logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).logits
+
+
+class Residual(nn.Module):
+    """A block no tensor-parallel plan knows: a residual MLP."""
+
+    def __init__(self, width: int, dropout: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc_in = nn.Linear(width, 2 * width)
+        self.fc_out = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.drop(self.fc_out(F.gelu(self.fc_in(self.norm(h)))))
+
+
+class NoPlan(nn.Module):
+    """A language model made only of modules without a tensor-parallel plan."""
+
+    def __init__(self, layers: int, dropout: float, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.layers = nn.ModuleList(Residual(width, dropout) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def build(model: str, layers: int, dropout: bool, seed: int = 0) -> nn.Module:
+    """The single-device model ``model`` with ``layers`` repeated layers, seeded."""
+    torch.manual_seed(seed)
+    p = 0.1 if dropout else 0.0
+    if model in ("gpt", "partial", "tied"):
+        return GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=layers,
+                             n_heads=8, dropout=p, tie_embeddings=model == "tied"))
+    if model == "vit":
+        return ViT(ViTConfig(image_size=IMAGE, patch_size=4, num_classes=CLASSES, d_model=32,
+                             n_layers=layers, n_heads=8, dropout=p))
+    if model == "noplan":
+        return NoPlan(layers, p)
+    return Logits(_hf(model, layers, p))
+
+
+def _hf(model: str, layers: int, p: float) -> nn.Module:
+    import transformers as T
+
+    common = dict(vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=2 * SEQ,
+                  use_cache=False)
+    # grouped-query attention: 16 query heads share 8 key/value heads (head size 4)
+    gqa = dict(common, hidden_size=64, intermediate_size=128, num_attention_heads=16,
+               num_key_value_heads=8, attention_dropout=p)
+    if model == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=8, n_positions=2 * SEQ,
+            resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False))
+    if model == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**gqa))
+    if model == "mistral":
+        return T.MistralForCausalLM(T.MistralConfig(**gqa, sliding_window=None))
+    if model == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**gqa))
+    if model == "qwen3":  # q_norm / k_norm act on each rank's heads
+        return T.Qwen3ForCausalLM(T.Qwen3Config(**gqa, head_dim=4))
+    if model == "neox":
+        return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+            **common, hidden_size=32, intermediate_size=128, num_attention_heads=8,
+            rotary_pct=1.0, hidden_dropout=p, attention_dropout=p))
+    raise ValueError(f"unknown model {model!r}")
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The repeated layers (FSDP units, checkpointed modules)."""
+    from modelparallel.parallel.blocks import find_blocks
+
+    return find_blocks(model)
+
+
+def keep_first_block_whole(model: nn.Module) -> None:
+    """``partial``: only some blocks have a plan (the first is marked to stay whole)."""
+    from modelparallel.parallel.tensor.plans import set_tensor_parallelism
+
+    set_tensor_parallelism(blocks_of(model)[0], False)
+
+
+def batches(model: str, steps: int, rows: int, seed: int = 1
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) of ``rows`` samples for each step."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        if model in IMAGE_MODELS:
+            out.append((torch.randn(rows, 3, IMAGE, IMAGE, generator=g),
+                        torch.randint(CLASSES, (rows,), generator=g)))
+        else:
+            seq = torch.randint(VOCAB, (rows, SEQ + 1), generator=g)
+            out.append((seq[:, :-1], seq[:, 1:]))
+    return out
+
+
+def loss_fn(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if model in IMAGE_MODELS:
+        return lambda logits, y: F.cross_entropy(logits.float(), y)
+    return lambda logits, y: lm_loss(logits.float(), y)

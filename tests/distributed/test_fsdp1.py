@@ -1,0 +1,397 @@
+"""SMP v2 scripts: ``mp.transform`` then an unchanged FSDP1 wrap, vs one process.
+
+Gradient clipping, one data-parallel rank, the SMP v2 sharded and full checkpoints,
+mixed precision, and models tensor parallelism leaves whole.
+"""
+
+import functools
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import modelparallel as mp
+from modelparallel.data import replica_rank_and_size
+from modelparallel.models import GPT, GPTConfig
+from modelparallel.models.gpt import Block, lm_loss
+from modelparallel.testing import (
+    TrainResult,
+    assert_parity,
+    full_parameters,
+    local_rows,
+    parity_problems,
+    token_batches,
+    train,
+)
+
+STEPS = 3
+GLOBAL_BATCH = 8
+SEQ, VOCAB = 16, 64
+GPT_CFG = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=2, n_heads=4)
+TP2 = {"tensor_parallel_degree": 2}
+TP2_HYBRID2 = {**TP2, "hybrid_shard_degree": 2}
+
+
+def build() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPT_CFG)
+
+
+def batches():
+    return token_batches(STEPS, GLOBAL_BATCH, SEQ, VOCAB, seed=1)
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def fsdp1(model: nn.Module, **kwargs) -> nn.Module:
+    """What an SMP v2 script writes after ``mp.transform``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs)
+
+
+def transformed(config: dict, **kwargs) -> nn.Module:
+    mp.init(config)
+    return fsdp1(mp.transform(build()), **kwargs)
+
+
+@functools.cache
+def reference(clip: float | None = None):
+    before = (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), clip)) if clip else None
+    return train(build(), batches(), optimizer=sgd, loss_fn=lm_loss, before_step=before)
+
+
+def parity_case(config: dict, use_orig_params: bool = True, clip: str = "", max_norm=0.05):
+    model = transformed(config, use_orig_params=use_orig_params)
+    before = {"": None, "mp": lambda m: mp.clip_grad_norm_(m, max_norm),
+              "fsdp": lambda m: m.clip_grad_norm_(max_norm)}[clip]
+    result = train(model, batches(), optimizer=sgd, loss_fn=lm_loss,
+                   replica=replica_rank_and_size(), group=mp.get_dp_process_group(),
+                   before_step=before)
+    return parity_problems(result, reference(max_norm if clip else None))
+
+
+# -- 1. gradient norm under tensor parallelism x FSDP1 ------------------------------------
+
+def clip_norm_case(config: dict, use_orig_params: bool):
+    model = transformed(config, use_orig_params=use_orig_params)
+    inputs, targets = batches()[0]
+    ref = build()
+    lm_loss(ref(inputs), targets).backward()
+    expected = {p: float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=p))
+                for p in (2.0, float("inf"))}
+    x, y = local_rows((inputs, targets), *replica_rank_and_size())
+    lm_loss(model(x), y).backward()  # FSDP averages: the global-batch gradient
+    got = {p: (float(mp.clip_grad_norm_(model, 1e9, norm_type=p)),
+               float(model.clip_grad_norm_(1e9, norm_type=p))) for p in expected}
+    return got, expected
+
+
+@pytest.mark.parametrize("world, config, use_orig_params", [
+    (4, TP2_HYBRID2, True),
+    (4, TP2_HYBRID2, False),
+    (4, TP2, True),  # hybrid_shard_degree 0
+    (8, TP2_HYBRID2, False),  # 2 replicas x 2 shards x tp 2
+], ids=["tp2-hybrid2", "tp2-hybrid2-flat-params", "tp2", "tp2-hybrid2-8ranks-flat-params"])
+def test_clip_grad_norm_is_the_global_norm(workers, world, config, use_orig_params):
+    """Both mp.clip_grad_norm_ and FSDP1's own clip_grad_norm_ count every split and
+    every replicated parameter once."""
+    for got, expected in workers(world).run(clip_norm_case, config=config,
+                                            use_orig_params=use_orig_params):
+        for p, (ours, fsdps) in got.items():
+            assert ours == pytest.approx(expected[p], rel=1e-5), p
+            assert fsdps == pytest.approx(expected[p], rel=1e-5), p
+
+
+@pytest.mark.parametrize("use_orig_params, clip", [(True, "mp"), (False, "fsdp")])
+def test_clipped_training_matches_one_process(workers, use_orig_params, clip):
+    for problems in workers(4).run(parity_case, config=TP2_HYBRID2,
+                                   use_orig_params=use_orig_params, clip=clip):
+        assert problems == []
+
+
+# -- 2. tensor parallelism with one data-parallel rank (and hybrid_shard_degree 1) ---------
+
+@pytest.mark.parametrize("world, config, use_orig_params", [
+    (2, TP2, True),
+    (2, TP2, False),
+    (4, {**TP2, "hybrid_shard_degree": 1}, True),  # replicated over 2 data-parallel ranks
+], ids=["tp2-dp1", "tp2-dp1-flat-params", "tp2-hybrid1"])
+def test_unsharded_data_parallel_trains_like_one_process(workers, world, config,
+                                                          use_orig_params):
+    for problems in workers(world).run(parity_case, config=config,
+                                       use_orig_params=use_orig_params):
+        assert problems == []
+
+
+# -- 3. the SMP v2 sharded checkpoint: one directory per tp rank --------------------------
+
+def _step(model, optimizer, batch) -> float:
+    inputs, targets = local_rows(batch, *replica_rank_and_size())
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def smp_sharded_case(config: dict, root: str, tp: bool, use_orig_params: bool):
+    """checkpoints.py of the SMP v2 examples: ranks of replication rank 0 save over the
+    model's process group (coordinated by its lowest rank, DCP's group rank 0) into a
+    directory per tp rank; every rank loads from its tp rank's directory. (This torch's
+    load_sharded_optimizer_state_dict takes no process_group, so the optimizer state
+    loads into the layout of FSDP.optim_state_dict instead.)"""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, StateDictType
+
+    mp.init(config)
+    model = fsdp1(mp.transform(build()) if tp else build(), use_orig_params=use_orig_params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    steps = batches()
+    _step(model, optimizer, steps[0])
+    coords = mp.state.topology.coordinate(mp.rank())
+    directory = os.path.join(root, f"tp{mp.tp_size()}-{coords['tp']}")
+    group = model.process_group
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # FSDP.state_dict_type
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            saved = {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model,
+                                                                                    optimizer)}
+        if coords["dp_replicate"] == 0:
+            dcp.save(saved, storage_writer=dcp.FileSystemWriter(directory), process_group=group)
+        dist.barrier()
+        at_save = full_parameters(model)
+        _step(model, optimizer, steps[1])
+        expected = full_parameters(model)
+
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT,
+                                  optim_state_dict_config=ShardedOptimStateDictConfig(
+                                      offload_to_cpu=True)):
+            loaded = {"model": model.state_dict(),
+                      "optimizer": FSDP.optim_state_dict(model, optimizer)}
+            dcp.load(loaded, storage_reader=dcp.FileSystemReader(directory), process_group=group)
+            model.load_state_dict(loaded["model"])
+            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer,
+                                                                    loaded["optimizer"]))
+    restored = full_parameters(model)
+    _step(model, optimizer, steps[1])  # the same step again, from the restored state
+    return _same(restored, at_save), _same(full_parameters(model), expected)
+
+
+@pytest.mark.parametrize("world, config, tp, use_orig_params", [
+    (8, TP2_HYBRID2, True, True),
+    (8, TP2_HYBRID2, True, False),
+    (4, {"hybrid_shard_degree": 2}, False, True),
+    (4, TP2, True, True),
+    (2, TP2, True, True),  # one data-parallel rank
+], ids=["tp2-hybrid2", "tp2-hybrid2-flat-params", "hybrid2", "tp2", "tp2-dp1"])
+def test_smp_v2_sharded_checkpoint_round_trips(workers, tmp_path, world, config, tp,
+                                              use_orig_params):
+    for params_back, same_next_step in workers(world).run(
+            smp_sharded_case, config=config, root=str(tmp_path), tp=tp,
+            use_orig_params=use_orig_params):
+        assert params_back, "the loaded parameters differ from the saved ones"
+        assert same_next_step, "the optimizer state did not come back"
+    if tp:  # each tp rank's directory is a complete checkpoint of its part
+        assert sorted(os.listdir(tmp_path)) == ["tp2-0", "tp2-1"]
+
+
+# -- 4. the SMP v2 full checkpoint: rank 0 gets the whole model ---------------------------
+
+def smp_full_case(config: dict, tp: bool, use_orig_params: bool):
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    mp.init(config)
+    model = fsdp1(mp.transform(build()) if tp else build(), use_orig_params=use_orig_params)
+    train(model, batches(), optimizer=sgd, loss_fn=lm_loss, replica=replica_rank_and_size())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(rank0_only=True, offload_to_cpu=True)):
+            sd = model.state_dict()
+    if mp.rank() != 0:
+        return None
+    assert all(type(v) is torch.Tensor and v.device.type == "cpu" for v in sd.values())
+    return parity_problems(TrainResult([], dict(sd)), TrainResult([], reference().params))
+
+
+@pytest.mark.parametrize("world, config, tp, use_orig_params", [
+    (4, TP2_HYBRID2, True, True),
+    (4, TP2_HYBRID2, True, False),
+    (4, {"hybrid_shard_degree": 2}, False, True),
+    (8, TP2_HYBRID2, True, True),
+], ids=["tp2-hybrid2", "tp2-hybrid2-flat-params", "hybrid2", "tp2-hybrid2-8ranks"])
+def test_smp_v2_full_checkpoint_is_the_whole_model(workers, world, config, tp,
+                                                  use_orig_params):
+    problems = workers(world).run(smp_full_case, config=config, tp=tp,
+                                  use_orig_params=use_orig_params)[0]
+    assert problems == []
+
+
+def mp_checkpoint_case(config: dict, root: str):
+    """mp.save_checkpoint/resume_from_checkpoint of an FSDP1 model whose flat parameter
+    splits unevenly: a rank's optimizer holds no state for parameters outside its shard."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    mp.init(config)
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), use_orig_params=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> float:
+        torch.manual_seed(1)
+        loss = model(torch.randn(4, 4)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    step()
+    mp.save_checkpoint(root, "sharded", model=model, optimizer=optimizer)
+    expected = [step(), step()]
+    mp.resume_from_checkpoint(root, model=model, optimizer=optimizer)
+    return [step(), step()] == expected
+
+
+@pytest.mark.parametrize("config", [{}, {"hybrid_shard_degree": 2}], ids=["full-shard", "hybrid2"])
+def test_mp_checkpoint_of_unevenly_sharded_fsdp1_model(workers, tmp_path, config):
+    assert workers(4).run(mp_checkpoint_case, config=config, root=str(tmp_path)) == [True] * 4
+
+
+# -- 5. bf16 / fp16 ------------------------------------------------------------------------
+
+def precision_case(config: dict, policy: str | None):
+    from torch.distributed.fsdp import MixedPrecision
+
+    mp.init(config)
+    kwargs = {}
+    if policy is not None:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[policy]
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+    try:
+        model = fsdp1(mp.transform(build()), use_orig_params=True, **kwargs)
+    except mp.ConfigError as e:
+        return {"error": e.keys}
+    seen = {}
+    fc_in = model.blocks[0].mlp.fc_in
+
+    def record(module, inputs, output):
+        weight = module.weight
+        seen.update(weight=str(weight.dtype), out=str(output.dtype))
+
+    fc_in.register_forward_hook(record)
+    inputs, targets = local_rows(batches()[0], *replica_rank_and_size())
+    lm_loss(model(inputs).float(), targets).backward()
+    return {**seen, "stored": sorted({str(p.dtype) for p in model.parameters()}),
+            "grads": sorted({str(p.grad.dtype) for p in model.parameters()
+                             if p.grad is not None}),
+            "reduce": str(model.mixed_precision.reduce_dtype)}
+
+
+@pytest.mark.parametrize("config", [{"bf16": True}, {"bf16": True, **TP2}],
+                         ids=["bf16", "bf16-tp2"])
+def test_half_precision_config_reaches_fsdp1(workers, config):
+    for got in workers(2).run(precision_case, config=config, policy=None):
+        assert got == {"weight": "torch.bfloat16", "out": "torch.bfloat16",
+                       "stored": ["torch.float32"], "grads": ["torch.float32"],
+                       "reduce": "torch.float32"}
+
+
+def test_script_mixed_precision_must_agree_with_the_config(workers):
+    for got in workers(2).run(precision_case, config={"bf16": True}, policy="fp16"):
+        assert got == {"error": ["bf16"]}
+    for got in workers(2).run(precision_case, config={"fp16": True}, policy="bf16"):
+        assert got == {"error": ["fp16"]}
+    for got in workers(2).run(precision_case, config={"bf16": True}, policy="bf16"):
+        assert got["out"] == "torch.bfloat16"
+        assert got["reduce"] == "torch.bfloat16", "the script's own policy is kept"
+
+
+# -- 6. a model tensor parallelism leaves whole: TP ranks are data-parallel replicas --------
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
+
+
+def mlp_batches():
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 4,
+                                                                     generator=g))
+            for _ in range(STEPS)]
+
+
+@functools.cache
+def mlp_reference():
+    return train(mlp(), mlp_batches(), optimizer=sgd, loss_fn=F.mse_loss)
+
+
+def unsplit_case(config: dict, use_orig_params: bool):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    mp.init(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "no tensor-parallel plan"
+        model = FSDP(mp.transform(mlp()), use_orig_params=use_orig_params)
+    result = train(model, mlp_batches(), optimizer=sgd, loss_fn=F.mse_loss,
+                   replica=(mp.dp_rank(), mp.dp_size()), group=mp.get_dp_process_group())
+    assert_parity(result, mlp_reference())
+    return mp.dp_size()
+
+
+@pytest.mark.parametrize("world, config, use_orig_params", [
+    (4, TP2_HYBRID2, True),  # shard over 2, replicate over the 2 tp ranks
+    (4, TP2, False),
+    (4, {**TP2, "hybrid_shard_degree": 1}, True),  # no sharding: 4 replicas
+    (8, TP2_HYBRID2, True),  # shard over 2, replicate over 2 x tp 2
+], ids=["tp2-hybrid2", "tp2-flat-params", "tp2-hybrid1", "tp2-hybrid2-8ranks"])
+def test_unsplit_model_averages_over_tensor_parallel_ranks(workers, world, config,
+                                                         use_orig_params):
+    assert workers(world).run(unsplit_case, config=config,
+                              use_orig_params=use_orig_params) == [world] * world
+
+
+# -- torch internals the FSDP1 path relies on ----------------------------------------------
+
+def internals_case():
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from modelparallel.parallel import fsdp1_torch
+
+    model = transformed(TP2, use_orig_params=True)  # one data-parallel rank
+    units = [model, *model.blocks]
+    flat = model.blocks[0]._handle.flat_param
+    return {
+        "FSDP1's strategy clamp found": fsdp1_torch._torch_init_core_state is not None,
+        "DCP's optimizer unflattening found":
+            fsdp1_torch._torch_unflatten_optim_state_dict is not None,
+        "sharded over one rank": {u.sharding_strategy for u in units} ==
+                                 {ShardingStrategy.FULL_SHARD},
+        "flat parameter metadata": all(hasattr(flat, a) for a in (
+            "_shard_param_infos", "_param_extensions", "_params")),
+        "tensor-parallel parameters flattened": fsdp1_torch.holds_split_params(model),
+        "our state dict extension": all(isinstance(u._fsdp_extension,
+                                                   fsdp1_torch._LocalShardExtensions)
+                                        for u in units),
+    }
+
+
+def test_fsdp1_internals_we_rely_on(workers):
+    """Fails, naming what moved, if a torch release changes the FSDP1 internals that
+    modelparallel.parallel.fsdp1_torch uses."""
+    for got in workers(2).run(internals_case):
+        assert got == dict.fromkeys(got, True)
