@@ -2,6 +2,7 @@
 
     modelparallel run --nproc-per-node 4 examples/gpt/train.py
     modelparallel run --nproc-per-node 4 examples/gpt/train.py --tensor-parallel-degree 2
+    modelparallel run --nproc-per-node 4 examples/gpt/train.py --precision bf16
 
 By default 4 processes form 2 replicas x 2 shards (hybrid_shard_degree 2): each
 parameter is sharded over 2 ranks (FSDP2) and the 2 shard groups replicate each
@@ -10,6 +11,8 @@ ranks, 1 replicates) or comes from a config file (modelparallel run --config ...
 With --tensor-parallel-degree 2 each block is split over 2 ranks (heads and MLP
 columns, vocabulary-parallel embedding and LM head with a parallel cross-entropy)
 and the data-parallel layout applies to what remains: 4 ranks = 2 TP x 2 shards.
+With --precision bf16 or fp16 the forward and backward compute in that type with
+float32 parameters and optimizer state; fp16 scales the loss with mp.LossScaler.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--hybrid-shard-degree", type=int, default=2)
     p.add_argument("--tensor-parallel-degree", type=int, default=1)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--text-bytes", type=int, default=2_000_000)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--metrics", default="runs/gpt/metrics.jsonl",
@@ -71,7 +75,8 @@ def main() -> None:
     # prescaled_batch: the ranks of a tensor-parallel group read the same batch, which
     # loss_parallel needs (docs/tensor-parallel.md).
     mp.init({"hybrid_shard_degree": args.hybrid_shard_degree, "tensor_parallel_degree": tp,
-             "prescaled_batch": tp > 1})
+             "prescaled_batch": tp > 1, "bf16": args.precision == "bf16",
+             "fp16": args.precision == "fp16"})
     train_text, val_text = train_val_split(python_source_bytes(args.text_bytes))
     train_data, val_data = ByteChunks(train_text, args.seq_len), ByteChunks(val_text,
                                                                             args.seq_len)
@@ -82,6 +87,8 @@ def main() -> None:
     mp.transform(model, loss_parallel=True)  # a no-op when tensor_parallel_degree is 1
     mp.shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # fp16 gradients underflow without loss scaling (overflowing steps are skipped)
+    scaler = mp.LossScaler(init_scale=2.0 ** 16) if args.precision == "fp16" else None
     loader = mp.data.DataLoader(train_data, batch_size=args.batch_size, seed=0, drop_last=True)
     metrics = mp.observe.StepMetrics(jsonl=args.metrics, print_every=args.log_every)
     global_batch = args.batch_size * mp.rdp_size()  # one batch per model replica
@@ -99,8 +106,12 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
                 with mp.loss_parallel():  # the loss and its backward on vocabulary shards
                     loss = lm_loss(model(inputs), targets)
-                    loss.backward()
-                optimizer.step()
+                    (scaler.scale(loss) if scaler else loss).backward()
+                if scaler:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
                 rec.loss = scalar(loss)
             step += 1
             if step == args.steps:

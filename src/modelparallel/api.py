@@ -145,6 +145,21 @@ class DistributedModel(nn.Module):
                 seen.add(id(p))
                 yield p
 
+    def grad_norm_parts(self) -> tuple[list[nn.Parameter], list[nn.Parameter], Any]:
+        """For a global gradient norm (``mp.clip_grad_norm_``): the parameters whose
+        gradients this rank counts (a parameter several pipeline stages hold counts on
+        the first of them), those it holds, and the group adding up the stages (None
+        without a pipeline)."""
+        held = list(self.local_parameters())
+        if self._pp == 1:
+            return held, held, None
+        s = state.require("mp.clip_grad_norm_")
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        elsewhere = {id(params[n]) for group, names in self._shared
+                     if dist.get_global_rank(group, 0) != s.rank for n in names}
+        counted = [p for p in held if id(p) not in elsewhere]
+        return counted, held, get_process_group(CommGroup.PP_GROUP)
+
     def local_modules(self) -> Iterator[nn.Module]:
         held = self._held_modules()
         for name, m in self.module.named_modules():
@@ -556,8 +571,10 @@ class DistributedOptimizer:
         if self.loss_scaler is not None and self.loss_scaler.unscale_(self.optimizer):
             self.loss_scaler.update()  # skipped: the gradients overflowed somewhere
             return None
+        model = DistributedModel._instance
         if c.sharded_data_parallel_degree > 1 and c.sdp_gradient_clipping > 0:
-            clip_grad_norm_(self._params(), c.sdp_gradient_clipping)
+            clip_grad_norm_(model if model is not None else self._params(),
+                            c.sdp_gradient_clipping)
         result = self.optimizer.step(*args, **kwargs)
         if self.loss_scaler is not None:
             self.loss_scaler.update()

@@ -1,15 +1,14 @@
 """Pipeline parallelism (SMP v1 style) vs one process: losses every step, parameters at the end."""
 
-import logging
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed._composable.contract import _get_registry
 
 import modelparallel as mp
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
+from modelparallel.parallel.activation import is_recomputed
 from modelparallel.testing import WorkerError, assert_parity, token_batches, train
 from modelparallel.testing.parity import TrainResult
 
@@ -76,7 +75,7 @@ def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: boo
     assert_parity(TrainResult(losses, params), ref)
     held = list(model.local_modules())
     blocks = [b for b in model.module.blocks if any(b is m for m in held)]
-    recomputed = [m for m in held if "checkpoint" in (_get_registry(m) or {})]
+    recomputed = [m for m in held if is_recomputed(m)]
     assert recomputed == (blocks if checkpointed else [])
 
     x = token_batches(1, GLOBAL_BATCH, SEQ, VOCAB, seed=2)[0][0]
@@ -228,28 +227,6 @@ def test_model_and_optimizer_methods(workers, config):
     assert set(stage0["local"]) | set(stage1["local"]) == names
     assert not set(stage0["local"]) & set(stage1["local"])
     assert set(stage0["full"]) >= names
-
-
-def half_precision_case():
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("modelparallel").addHandler(handler)
-    try:
-        mp.init({**PP2, "microbatches": 2, "bf16": True})
-        model = mp.DistributedModel(gpt(4))
-        x, y = token_batches(1, GLOBAL_BATCH, SEQ, VOCAB)[0]
-        train_step(model, x, y)
-    finally:
-        logging.getLogger("modelparallel").removeHandler(handler)
-    return messages
-
-
-def test_half_precision_without_sharding_says_it_trains_in_fp32(workers):
-    rank0, rank1 = workers(2).run(half_precision_case)
-    assert any(m.startswith("bf16=True takes effect through FSDP's mixed precision") and
-               m.endswith("the model trains in fp32") for m in rank0)
-    assert not any("bf16" in m for m in rank1)  # said once
 
 
 def no_backward_case():

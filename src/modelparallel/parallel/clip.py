@@ -21,26 +21,40 @@ def clip_grad_norm_(model: nn.Module | Iterable[torch.Tensor], max_norm: float,
 
     The norm is over the whole model, whatever holds its pieces: gradients that are
     DTensors (tensor-parallel shards, FSDP2 shards, both) are reduced over their mesh,
-    one collective per mesh; plain gradients (replicated) count once. An FSDP1 model
-    uses its own ``clip_grad_norm_`` (:func:`fsdp1_clip_grad_norm_` when it holds
-    tensor-parallel parameters). Same arguments as ``torch.nn.utils.clip_grad_norm_``;
-    the returned norm is a plain tensor, equal on every rank.
+    one collective per mesh; plain gradients (replicated) count once; a pipeline-split
+    ``DistributedModel`` adds up its stages (a parameter several stages hold counts
+    once). An FSDP1 model uses its own ``clip_grad_norm_`` (:func:`fsdp1_clip_grad_norm_`
+    when it holds tensor-parallel parameters). Same arguments as
+    ``torch.nn.utils.clip_grad_norm_``; the returned norm is a plain tensor, equal on
+    every rank.
     """
     if isinstance(model, FullyShardedDataParallel):
         if fsdp1_torch.holds_split_params(model):
             return fsdp1_clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite,
                                          foreach)
         return model.clip_grad_norm_(max_norm, norm_type)
-    params = list(model.parameters() if isinstance(model, nn.Module) else model)
+    stages = None
+    if hasattr(model, "grad_norm_parts"):  # a DistributedModel: counted part, stage group
+        counted, params, stages = model.grad_norm_parts()
+    else:
+        params = list(model.parameters() if isinstance(model, nn.Module) else model)
+        counted = params
     by_mesh = _by_mesh(params)
-    if not by_mesh:
-        return torch.tensor(0.0)
     norms = [_norm([p.grad for p in group], norm_type, error_if_nonfinite, foreach)
-             for group in by_mesh.values()]
-    device = norms[0].device
+             for group in _by_mesh(counted).values()]
+    device = next((g.device for group in by_mesh.values() for g in group),
+                  torch.device("cpu"))
     total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type,
-                                          error_if_nonfinite)
-    _scale(by_mesh, max_norm, total, foreach)
+                                          error_if_nonfinite) if norms else \
+        torch.zeros((), device=device)
+    if stages is not None:  # add up the pipeline stages' parts
+        p = float(norm_type)
+        part = _powered(total.float(), p)
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
+                        group=stages)
+        total = part if math.isinf(p) else part ** (1.0 / p)
+    if by_mesh:
+        _scale(by_mesh, max_norm, total, foreach)
     return total
 
 

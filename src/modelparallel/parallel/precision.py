@@ -201,7 +201,12 @@ def _check_scaled(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if getattr(optimizer, "_mp_unscaled", False):
         optimizer._mp_unscaled = False  # type: ignore[attr-defined]
         return
-    if any(getattr(p, _FP16_ATTR, False) for g in optimizer.param_groups for p in g["params"]):
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(getattr(p, _FP16_ATTR, False) for p in params):
+        return
+    # torch's own state initialisation (distributed checkpoint loading) steps once on zero
+    # gradients: nothing can have underflowed there
+    if any(p.grad is not None and bool(_local(p.grad).any()) for p in params):
         raise RuntimeError(
             "fp16=True: the model computes in float16, whose gradients underflow without loss "
             "scaling, and optimizer.step() ran on gradients no loss scaler unscaled. Use "

@@ -98,6 +98,11 @@ class SplitRegions:
                                          always_call=True)
         model.register_forward_pre_hook(self._before_forward)
         model.register_forward_hook(self._after_forward, always_call=True)
+        object.__setattr__(model, _ATTR, self)
+
+    def summed_names(self) -> list[str]:
+        """The parameters whose gradients are summed over the tensor-parallel ranks."""
+        return sorted(f"{self._paths[m]}.{name}".lstrip(".") for m, name in self.summed)
 
     # -- hooks -----------------------------------------------------------------------
     def _after_styled(self, split: bool | None):
@@ -169,6 +174,14 @@ class SplitRegions:
             "(from its parameters or inputs), split that module with a plan of its own "
             "(mp.tp_register_with_module), or keep the enclosing module whole "
             "(mp.set_tensor_parallelism(module, False))"))])
+
+
+_ATTR = "_mp_split_regions"
+
+
+def split_regions(model: nn.Module) -> SplitRegions | None:
+    """The SplitRegions ``transform`` gave ``model`` (or a module a wrapper holds)."""
+    return next((m.__dict__[_ATTR] for m in model.modules() if _ATTR in m.__dict__), None)
 
 
 # A pipeline rank may run its stages in different forwards; a held split layer that never

@@ -296,9 +296,10 @@ def full_cases(seed: int = 0) -> list[Case]:
         best, best_gain = {}, -1
         for _ in range(4):
             pick = {a: rng.choice(opts[a]) for a in axes}
-            for _ in range(2):  # coordinate ascent: each axis to its best value
-                for a in rng.sample(axes, len(axes)):
-                    pick[a] = max(opts[a], key=lambda v, a=a: _gain({**pick, a: v}, covered))
+            for _ in range(2):  # coordinate ascent: each axis to its best value (ties at
+                for a in rng.sample(axes, len(axes)):  # random, so values keep varying)
+                    pick[a] = max(opts[a], key=lambda v, a=a: (
+                        _gain({**pick, a: v}, covered), rng.random()))
             gain = _gain(pick, covered)
             if gain > best_gain:
                 best, best_gain = dict(pick), gain

@@ -20,7 +20,9 @@ from modelparallel.models.gpt import lm_loss
 VOCAB, SEQ, IMAGE, CLASSES = 64, 8, 8, 8
 HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "neox")
 MODELS = ("gpt", "vit", *HF_MODELS, "noplan", "partial", "tied")
-IMAGE_MODELS = ("vit",)
+IMAGE_MODELS = ("vit", "hf-vit")
+# every model with a built-in tensor-parallel plan (hf-vit is not a matrix axis value)
+BUILTIN_PLAN_MODELS = ("gpt", "vit", *HF_MODELS, "hf-vit")
 
 
 class Logits(nn.Module):
@@ -99,6 +101,11 @@ def _hf(model: str, layers: int, p: float) -> nn.Module:
         return T.Qwen2ForCausalLM(T.Qwen2Config(**gqa))
     if model == "qwen3":  # q_norm / k_norm act on each rank's heads
         return T.Qwen3ForCausalLM(T.Qwen3Config(**gqa, head_dim=4))
+    if model == "hf-vit":
+        return T.ViTForImageClassification(T.ViTConfig(
+            image_size=IMAGE, patch_size=4, hidden_size=32, num_hidden_layers=layers,
+            num_attention_heads=8, intermediate_size=64, num_labels=CLASSES,
+            hidden_dropout_prob=p, attention_probs_dropout_prob=p))
     if model == "neox":
         return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
             **common, hidden_size=32, intermediate_size=128, num_attention_heads=8,
