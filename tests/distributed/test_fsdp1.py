@@ -1,7 +1,8 @@
 """SMP v2 scripts: ``mp.transform`` then an unchanged FSDP1 wrap, vs one process.
 
 Gradient clipping, one data-parallel rank, the SMP v2 sharded and full checkpoints,
-mixed precision, and models tensor parallelism leaves whole.
+the full optimizer state, mp.save_checkpoint across layouts, mixed precision, and
+models tensor parallelism leaves whole.
 """
 
 import functools
@@ -271,6 +272,250 @@ def test_mp_checkpoint_of_unevenly_sharded_fsdp1_model(workers, tmp_path, config
     assert workers(4).run(mp_checkpoint_case, config=config, root=str(tmp_path)) == [True] * 4
 
 
+# -- 4b. the full optimizer state: whole tensors, the same on every rank --------------------
+
+def one_process(steps: int, batches_: list) -> tuple[list[float], dict, dict]:
+    """Losses, parameters and SGD-momentum state of one process after ``steps`` steps."""
+    model = build()
+    optimizer = sgd(model)
+    losses = []
+    for inputs, targets in batches_[:steps]:
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    state = {f"state.{name}.{key}": value.detach().clone()
+             for name, p in model.named_parameters()
+             for key, value in optimizer.state[p].items() if isinstance(value, torch.Tensor)}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, state
+
+
+def _tensors(sd: dict) -> dict:
+    return {k: v.detach().cpu() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def full_optimizer_case(config: dict, use_orig_params: bool):
+    """After STEPS steps: the full optimizer state (every rank, and rank 0 only), FSDP1's
+    own FULL_STATE_DICT optimizer state with rank0_only, and the full parameters; then a
+    full optimizer state loaded back with set_optimizer_state_dict."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        StateDictType,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from modelparallel.checkpoint import states
+
+    model = transformed(config, use_orig_params=use_orig_params)
+    optimizer = sgd(model)
+    for batch in batches():
+        _step(model, optimizer, batch)
+    every = _tensors(states.optimizer_state(model, optimizer, full=True, every_rank=True))
+    on_rank0 = _tensors(states.optimizer_state(model, optimizer, full=True))
+    params = _tensors(get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=False)))
+    params0 = _tensors(states.model_state(model, full=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(rank0_only=True, offload_to_cpu=True),
+                                  FullOptimStateDictConfig(rank0_only=True,
+                                                           offload_to_cpu=True)):
+            own = FSDP.optim_state_dict(model, optimizer)
+    own = {f"state.{fqn}.{k}": v for fqn, s in own.get("state", {}).items()
+           for k, v in s.items() if isinstance(v, torch.Tensor)}
+    # load the full state back (FSDP.optim_state_dict_to_load), step, compare
+    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+        full_state_dict=True, flatten_optimizer_state_dict=True))
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for value in optimizer.state[p].values():
+                value.zero_()
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(
+        full_state_dict=True, flatten_optimizer_state_dict=True))
+    back = _tensors(states.optimizer_state(model, optimizer, full=True, every_rank=True))
+    return {"every": every, "rank0": on_rank0, "params": params, "params0": params0,
+            "own": own, "back": back}
+
+
+@pytest.mark.parametrize("world, config, use_orig_params", [
+    (2, TP2, True),  # one data-parallel rank
+    (4, TP2_HYBRID2, True),
+    (4, TP2_HYBRID2, False),
+    (8, TP2_HYBRID2, True),  # 2 replicas x 2 shards x tp 2
+], ids=["tp2-dp1", "tp2-hybrid2", "tp2-hybrid2-flat-params", "tp2-hybrid2-8ranks"])
+def test_full_optimizer_state_is_the_one_process_state(workers, world, config,
+                                                       use_orig_params):
+    """The full optimizer state of an FSDP1 model tensor parallelism split holds whole
+    tensors, the same on every rank: the one-process SGD-momentum state."""
+    _, ref_params, ref_state = one_process(STEPS, batches())
+    got = workers(world).run(full_optimizer_case, config=config,
+                             use_orig_params=use_orig_params)
+    for rank, result in enumerate(got):
+        every = result["every"]
+        assert parity_problems(TrainResult([], every), TrainResult([], ref_state)) == [], rank
+        assert _same(every, got[0]["every"]), f"rank {rank} differs from rank 0"
+        assert _same(result["back"], every), f"rank {rank}: the loaded state differs"
+        assert parity_problems(TrainResult([], result["params"]),
+                               TrainResult([], ref_params)) == [], rank
+        assert _same(result["params"], got[0]["params"]), f"rank {rank} differs from rank 0"
+        if rank == 0:
+            assert _same(result["rank0"], every)
+            assert _same(result["params0"], result["params"])
+            assert _same(result["own"], every)
+        else:
+            assert result["rank0"] == {} and result["params0"] == {}
+
+
+# -- 4c. mp.save_checkpoint / resume_from_checkpoint across layouts ------------------------
+
+SAVE_AT, AFTER = 2, 3
+CKPT_LAYOUTS = {  # name: (world size, config, how the model is built)
+    "fsdp1-tp2": (4, TP2_HYBRID2, "fsdp1-tp"),
+    "fsdp1-tp2-flat-params": (4, TP2_HYBRID2, "fsdp1-tp-flat"),
+    "fsdp1-tp2-dp1": (2, TP2, "fsdp1-tp"),
+    "fsdp1": (4, {}, "fsdp1"),
+    "fsdp1-hybrid2": (4, {"hybrid_shard_degree": 2}, "fsdp1"),
+    "shard": (4, {"hybrid_shard_degree": 2}, "shard"),
+}
+
+
+def ckpt_batches():
+    return token_batches(SAVE_AT + AFTER, GLOBAL_BATCH, SEQ, VOCAB, seed=1)
+
+
+def _ckpt_model(layout: str, seed: int) -> nn.Module:
+    _, config, how = CKPT_LAYOUTS[layout]
+    mp.init(config)
+    torch.manual_seed(seed)
+    model = GPT(GPT_CFG)
+    if how == "shard":
+        return mp.shard(model)
+    if how.startswith("fsdp1-tp"):
+        model = mp.transform(model)
+    return fsdp1(model, use_orig_params=not how.endswith("flat"))
+
+
+def _global_loss(model, optimizer, batch) -> float:
+    loss = torch.tensor(_step(model, optimizer, batch), dtype=torch.float64)
+    group = mp.get_dp_process_group()
+    dist.all_reduce(loss, group=group)
+    return float(loss) / dist.get_world_size(group)
+
+
+def save_ckpt_case(layout: str, root: str, partial: bool) -> None:
+    model = _ckpt_model(layout, seed=0)  # build()'s weights
+    optimizer = sgd(model)
+    for batch in ckpt_batches()[:SAVE_AT]:
+        _step(model, optimizer, batch)
+    mp.save_checkpoint(root, "step", partial=partial, model=model, optimizer=optimizer)
+
+
+def resume_ckpt_case(layout: str, root: str):
+    from modelparallel.checkpoint import states
+
+    model = _ckpt_model(layout, seed=1)  # other weights: the checkpoint must replace them
+    optimizer = sgd(model)
+    mp.resume_from_checkpoint(root, model=model, optimizer=optimizer)
+    losses = [_global_loss(model, optimizer, batch) for batch in ckpt_batches()[SAVE_AT:]]
+    state = _tensors(states.optimizer_state(model, optimizer, full=True, every_rank=True))
+    return losses, full_parameters(model), state
+
+
+@pytest.mark.parametrize("saved, resumed, partial", [
+    ("fsdp1-tp2", "shard", True),
+    ("shard", "fsdp1-tp2", True),
+    ("fsdp1-tp2-flat-params", "fsdp1-tp2-dp1", True),
+    ("fsdp1-tp2-dp1", "fsdp1-tp2-flat-params", True),
+    ("fsdp1-tp2", "shard", False),
+    ("shard", "fsdp1-tp2", False),
+    ("fsdp1", "fsdp1-hybrid2", False),
+    ("fsdp1-hybrid2", "fsdp1-tp2", False),
+    ("fsdp1-tp2", "fsdp1", False),
+])
+def test_checkpoint_resumes_under_another_layout(workers, tmp_path, saved, resumed, partial):
+    """Saved under one layout, resumed under another: the next steps' losses, the
+    parameters and the optimizer state are those of one uninterrupted process."""
+    ref_losses, ref_params, ref_state = one_process(SAVE_AT + AFTER, ckpt_batches())
+    root = str(tmp_path / "ckpt")
+    workers(CKPT_LAYOUTS[saved][0]).run(save_ckpt_case, layout=saved, root=root,
+                                        partial=partial)
+    for rank, (losses, params, state) in enumerate(workers(CKPT_LAYOUTS[resumed][0]).run(
+            resume_ckpt_case, layout=resumed, root=root)):
+        assert parity_problems(TrainResult(losses, params),
+                               TrainResult(ref_losses[SAVE_AT:], ref_params)) == [], rank
+        assert parity_problems(TrainResult([], state), TrainResult([], ref_state)) == [], rank
+
+
+def own_mesh_checkpoint_case(saved: str, root: str) -> list[str]:
+    """A script that gives FSDP1 its own device mesh keeps torch's sharded state (each
+    tensor-parallel rank's part under the parameter's name): saving and resuming are
+    refused before any collective."""
+    mp.init(TP2_HYBRID2)
+    model = fsdp1(mp.transform(build()), use_orig_params=True,
+                  device_mesh=mp.state.meshes["dp_shard"])
+    optimizer = sgd(model)
+    _step(model, optimizer, batches()[0])
+    errors = []
+    for call in (lambda: mp.save_checkpoint(root, "own", model=model, optimizer=optimizer),
+                 lambda: mp.resume_from_checkpoint(saved, model=model, optimizer=optimizer)):
+        try:
+            call()
+            errors.append("")
+        except mp.CheckpointError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_checkpoint_of_fsdp1_on_the_scripts_own_mesh_is_refused(workers, tmp_path):
+    saved = str(tmp_path / "saved")
+    workers(4).run(save_ckpt_case, layout="shard", root=saved, partial=True)
+    for errors in workers(4).run(own_mesh_checkpoint_case, saved=saved,
+                                 root=str(tmp_path / "own")):
+        for error in errors:
+            assert "script's own process_group/device_mesh" in error
+            assert "build FSDP1 without process_group/device_mesh" in error
+
+
+def fused_checkpoint_case(root: str) -> str:
+    """HF GPT-2's fused c_attn under FSDP1 + tensor parallelism: its checkpoint saves,
+    and loading it back into FSDP1 is refused before any collective (the fused
+    projection's load hook cannot take FSDP1's tensors)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from modelparallel.testing.matrix import zoo
+
+    mp.init(TP2_HYBRID2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gpt2 = zoo.build("gpt2", 1, False)
+    blocks = {type(b) for b in zoo.blocks_of(gpt2)}
+    model = FSDP(mp.transform(gpt2), auto_wrap_policy=ModuleWrapPolicy(blocks),
+                 use_orig_params=True)
+    optimizer = sgd(model)
+    mp.save_checkpoint(root, "fused", model=model, optimizer=optimizer)
+    try:
+        mp.resume_from_checkpoint(root, model=model, optimizer=optimizer)
+    except mp.CheckpointError as e:
+        return str(e)
+    return ""
+
+
+def test_fused_projections_under_fsdp1_refuse_to_load(workers, tmp_path):
+    for error in workers(4).run(fused_checkpoint_case, root=str(tmp_path / "ckpt")):
+        assert "FSDP1 cannot load the fused projections" in error
+        assert "c_attn.weight" in error and "mp.shard" in error
+
+
 # -- 5. bf16 / fp16 ------------------------------------------------------------------------
 
 def precision_case(config: dict, policy: str | None):
@@ -368,6 +613,8 @@ def test_unsplit_model_averages_over_tensor_parallel_ranks(workers, world, confi
 # -- torch internals the FSDP1 path relies on ----------------------------------------------
 
 def internals_case():
+    import torch.distributed.fsdp._common_utils as fsdp_common_utils
+    import torch.distributed.fsdp._optim_utils as fsdp_optim_utils
     from torch.distributed.fsdp import ShardingStrategy
 
     from modelparallel.parallel import fsdp1_torch
@@ -375,14 +622,24 @@ def internals_case():
     model = transformed(TP2, use_orig_params=True)  # one data-parallel rank
     units = [model, *model.blocks]
     flat = model.blocks[0]._handle.flat_param
+    q = fsdp1_torch.split_params(model)["blocks.0.attn.q_proj.weight"]
     return {
         "FSDP1's strategy clamp found": fsdp1_torch._torch_init_core_state is not None,
         "DCP's optimizer unflattening found":
             fsdp1_torch._torch_unflatten_optim_state_dict is not None,
         "sharded over one rank": {u.sharding_strategy for u in units} ==
                                  {ShardingStrategy.FULL_SHARD},
+        "FSDP1's optimizer state gathering found":
+            fsdp1_torch._torch_gather_all_orig_param_state is not None
+            and all(hasattr(fsdp_optim_utils, f) for f in fsdp1_torch._GATHER_STEPS)
+            and fsdp_optim_utils._gather_all_orig_param_state
+            is fsdp1_torch._gather_all_orig_param_state,
+        "FSDP1's name cleaning found": hasattr(fsdp_common_utils, "clean_tensor_name"),
         "flat parameter metadata": all(hasattr(flat, a) for a in (
-            "_shard_param_infos", "_param_extensions", "_params")),
+            "_shard_param_infos", "_param_extensions", "_params", "_fqns", "_shapes",
+            "_shared_param_infos")),
+        "split parameters by name": (q.shape, q.local_shape, q.data_mesh is not None) ==
+                                    ((32, 32), (16, 32), True),
         "tensor-parallel parameters flattened": fsdp1_torch.holds_split_params(model),
         "our state dict extension": all(isinstance(u._fsdp_extension,
                                                    fsdp1_torch._LocalShardExtensions)

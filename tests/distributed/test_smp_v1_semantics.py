@@ -132,3 +132,39 @@ def test_replicas_start_from_data_parallel_rank_0(workers):
     for params in results:
         for got, want in zip(params, reference, strict=True):
             assert torch.equal(got, want)
+
+
+def notes_case(config: dict, call: str) -> list[str]:
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("modelparallel").addHandler(handler)
+    try:
+        mp.init(config)
+        try:
+            (mp.shard if call == "shard" else mp.replicate)(_gpt())
+        except mp.ConfigError as e:
+            messages.append(f"ConfigError: {e}")
+    finally:
+        logging.getLogger("modelparallel").removeHandler(handler)
+    return messages
+
+
+def test_keys_of_other_paths_say_they_do_nothing_or_are_refused(workers):
+    rank0, rank1 = workers(2).run(notes_case, call="shard", config={
+        "ddp": True, "sharded_data_parallel_degree": 2, "microbatches": 2})
+    assert any(m.startswith("ddp=True has no effect on mp.shard()") for m in rank0)
+    assert any(m.startswith("sdp_gradient_clipping is applied by mp.DistributedOptimizer; "
+                            "with mp.shard() clip yourself") for m in rank0)
+    assert any(m.startswith("microbatches=2 has no effect on mp.shard()") for m in rank0)
+    assert rank1 == []  # said once
+    rank0, _ = workers(2).run(notes_case, call="replicate", config={"microbatches": 2})
+    assert any(m.startswith("microbatches=2 has no effect on mp.replicate()") for m in rank0)
+    for config, key in (({"hybrid_shard_degree": 2}, "hybrid_shard_degree"),
+                        ({"sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree")):
+        for messages in workers(2).run(notes_case, call="replicate", config=config):
+            assert any(m.startswith("ConfigError") and f"- {key}: " in m
+                       and "mp.replicate() replicates; use mp.shard()" in m
+                       for m in messages), messages

@@ -24,14 +24,6 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 
 def gather(module, optimizer, dm) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full model and (flattened) optimizer state on rank 0; ``{}`` elsewhere."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-        # every rank checks the same model, so every rank raises: nothing waits
-        raise CheckpointError("partial=False is not supported for FSDP1-wrapped models yet "
-                              "(torch's full-state gather of FSDP1 kills the process on "
-                              "gloo here); save with partial=True, which loads under any "
-                              "layout, or shard with mp.shard (FSDP2)")
     if dm is None or not dm.partitioned or dm._pp == 1:
         model = states.model_state(module, dm, full=True)
         optim = states.optimizer_state(module, optimizer, full=True) if optimizer else {}

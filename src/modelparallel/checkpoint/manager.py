@@ -156,6 +156,7 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
 
     def load_model_and_optimizer() -> None:
         module, optim, dm = states.unwrap(model, optimizer)  # after the split: what it holds
+        states.check_loadable(module)  # every rank alike, before any collective
         if manifest["partial"]:
             _load_sharded(location, tag, module, optim, dm, strict)
         else:

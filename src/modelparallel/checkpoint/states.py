@@ -4,6 +4,8 @@ Model and optimizer state go through ``torch.distributed.checkpoint.state_dict``
 the single-device model's parameter names, with the optimizer flattened per parameter
 (``state.<name>.<key>``, ``param_groups.<name>.<key>``): those keys mean the same under
 every layout, which is what lets DCP reshard between layouts and pipeline splits.
+(FSDP1's own sharded state of a tensor-parallel model holds each tp rank's part; here
+those entries are DTensors of the whole parameter, see ``fsdp1.global_state_dict``.)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modelparallel.checkpoint.storage import CheckpointError
+from modelparallel.parallel import fsdp1
 from modelparallel.parallel.placement import is_meta
 from modelparallel.parallel.tensor import rng
 from modelparallel.parallel.tensor.styles import stored_shapes
@@ -55,8 +58,44 @@ def model_state(module: nn.Module, dm: Any = None, *, full: bool = False) -> dic
 
     Of a pipeline-split DistributedModel, only what this rank holds (other stages'
     parameters are meta tensors here)."""
+    if not full:
+        _check_sharded(module)
     sd = get_model_state_dict(module, options=_options(full))
+    if not full:
+        sd = _by_global_name(module, sd, optimizer=False)
     return {k: v for k, v in sd.items() if not is_meta(v)} if dm is not None else sd
+
+
+def _check_sharded(module: nn.Module) -> None:
+    """Raise (on every rank alike, before any collective) when the sharded state of
+    ``module`` cannot be keyed by global parameter name."""
+    problem = fsdp1.checkpoint_problem(module)
+    if problem:
+        raise CheckpointError(f"cannot checkpoint the sharded state: {problem}")
+
+
+def check_loadable(module: nn.Module) -> None:
+    """Raise (on every rank alike, before any collective) when a checkpoint cannot be
+    loaded into ``module``."""
+    problem = fsdp1.load_problem(module)
+    if problem:
+        raise CheckpointError(f"cannot load the checkpoint: {problem}")
+
+
+def _by_global_name(module: nn.Module, sd: dict[str, Any], *,
+                    optimizer: bool) -> dict[str, Any]:
+    try:
+        return fsdp1.global_state_dict(module, sd, optimizer=optimizer)
+    except fsdp1.UnsupportedCheckpoint as e:
+        raise CheckpointError(f"cannot checkpoint the sharded state: {e}") from e
+
+
+def _by_local_part(module: nn.Module, sd: dict[str, Any], *,
+                   optimizer: bool) -> dict[str, Any]:
+    try:
+        return fsdp1.local_state_dict(module, sd, optimizer=optimizer)
+    except fsdp1.UnsupportedCheckpoint as e:
+        raise CheckpointError(f"cannot load the sharded state: {e}") from e
 
 
 def optimizer_state(module: nn.Module, optimizer: Any, *, full: bool = False,
@@ -64,13 +103,18 @@ def optimizer_state(module: nn.Module, optimizer: Any, *, full: bool = False,
     """The optimizer's flattened state dict: sharded, or full on rank 0 (on every rank of
     this rank's data/tensor-parallel groups with ``every_rank``), on CPU."""
     options = _options(full)
+    if not full:
+        _check_sharded(module)
+        return _by_global_name(module, get_optimizer_state_dict(module, optimizer,
+                                                                options=options),
+                               optimizer=True)
     if every_rank:
         options.cpu_offload = False
         sd = get_optimizer_state_dict(module, optimizer, options=options)
         sd = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
     else:
         sd = get_optimizer_state_dict(module, optimizer, options=options)
-    return _in_model_shapes(module, sd) if full else sd
+    return _in_model_shapes(module, sd)
 
 
 def _in_model_shapes(module: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
@@ -92,10 +136,13 @@ def _in_model_shapes(module: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
 
 def set_model_state(module: nn.Module, sd: dict[str, Any], *, full: bool = False,
                     strict: bool = True) -> None:
+    if not full:
+        sd = _by_local_part(module, sd, optimizer=False)
     set_model_state_dict(module, sd, options=_options(full, strict))
 
 
 def set_optimizer_state(module: nn.Module, optimizer: Any, sd: dict[str, Any]) -> None:
+    sd = _by_local_part(module, sd, optimizer=True)
     set_optimizer_state_dict(module, optimizer, sd, options=_options(False))
 
 
@@ -113,10 +160,23 @@ def shard_like(template: dict[str, Any], full: dict[str, Any], what: str) -> dic
         if isinstance(value, DTensor):
             saved = distribute_tensor(saved.reshape(value.shape).to(value.device),
                                       value.device_mesh, value.placements, src_data_rank=None)
+        elif hasattr(value, "local_shards"):  # a ShardedTensor (FSDP1 without a mesh)
+            saved = _fill_shards(value, saved.reshape(value.shape))
         elif isinstance(value, torch.Tensor):
             saved = saved.reshape(value.shape).to(value.device)
         sd[key] = saved
     return sd
+
+
+def _fill_shards(template: Any, whole: torch.Tensor) -> Any:
+    """``template``, a ShardedTensor (FSDP1 makes them as copies), with this rank's
+    shards copied from ``whole``."""
+    for shard in template.local_shards():
+        meta = shard.metadata
+        index = tuple(slice(o, o + n) for o, n in zip(meta.shard_offsets, meta.shard_sizes,
+                                                       strict=True))
+        shard.tensor.copy_(whole[index])
+    return template
 
 
 def global_shapes(sd: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -10,12 +10,19 @@ release moves what they use.
   parameters with ``use_orig_params=True`` (it re-creates them as new ``nn.Parameter``
   objects at every step, then fails to write them back: "Cannot writeback when the
   parameter shape changes"). A sharded strategy over one rank computes the same.
+- :func:`_gather_all_orig_param_state`: the optimizer state dicts of such a one-rank
+  sharded unit (``use_orig_params=True``) went through torch's shortcut for one rank,
+  which returns the state as the optimizer holds it: flat 1-D pieces of the flat
+  parameter, not reshaped to the parameters (nor, sharded, made DTensors).
 - :func:`use_local_state_dicts`: torch's ``DTensorExtensions`` build sharded state
   dicts on the *root* mesh as if it were ``(dp, tp)``: plain tensors chunked over its
   first dim, tensor-parallel ones over its next-to-last. Ours is ``(dp_replicate,
   dp_shard, pp, tp)``, so entries were chunked over ``dp_replicate`` (or ``pp``).
 - :func:`grad_pieces`: which part of each original parameter this rank's gradient
   shard holds, and how tensor parallelism split that parameter.
+- :func:`split_params`: the original name of every tensor-parallel parameter an FSDP1
+  unit flattened, with how tensor parallelism split it (FSDP1 keeps that only in its
+  flat parameter), so state dicts can be turned into whole tensors or global DTensors.
 - :func:`_set_state_dict_type`: ``offload_to_cpu`` of a model already on the CPU frees
   the only copy of the gathered parameters (FSDP1 "moves" them to where they are, then
   frees the old buffer), so full state dicts read freed memory (SIGSEGV).
@@ -36,6 +43,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
+import torch.distributed.fsdp._common_utils as fsdp_common_utils
+import torch.distributed.fsdp._optim_utils as fsdp_optim_utils
 import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_module
 from torch import nn
 from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, ShardingStrategy
@@ -63,6 +72,9 @@ def install() -> None:
     gone is skipped here (the internals test names it)."""
     if _torch_init_core_state is not None:
         fsdp_module._init_core_state = _init_core_state
+    if _torch_gather_all_orig_param_state is not None and all(
+            hasattr(fsdp_optim_utils, f) for f in _GATHER_STEPS):
+        fsdp_optim_utils._gather_all_orig_param_state = _gather_all_orig_param_state
     FullyShardedDataParallel.set_state_dict_type = staticmethod(_set_state_dict_type)
     if _torch_unflatten_optim_state_dict is not None:
         dcp_state_dict._unflatten_optim_state_dict = _unflatten_optim_state_dict
@@ -77,6 +89,33 @@ def keep_sharded_strategy(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _keep_sharded.reset(token)
+
+
+# private: FSDP1's optimizer state gathering (use_orig_params), and its two steps
+_torch_gather_all_orig_param_state = getattr(fsdp_optim_utils,
+                                             "_gather_all_orig_param_state", None)
+_GATHER_STEPS = ("_allgather_state_info", "_allgather_orig_param_states")
+
+
+def _gather_all_orig_param_state(fsdp_param_info, input_states, shard_state, to_save,
+                                 cpu_offload):
+    fsdp_state = fsdp_param_info.state
+    if not (getattr(fsdp_state, "_mp_policy", False) and fsdp_state.world_size == 1
+            and fsdp_state.sharding_strategy != ShardingStrategy.NO_SHARD):
+        return _torch_gather_all_orig_param_state(fsdp_param_info, input_states, shard_state,
+                                                  to_save, cpu_offload)
+    # a sharded unit over one rank: torch's path for several ranks (gathering over one
+    # rank copies), which unflattens the states and, for sharded state dicts, chunks them
+    info = fsdp_optim_utils._allgather_state_info(fsdp_state, input_states)
+    output = fsdp_optim_utils._allgather_orig_param_states(
+        fsdp_param_info, info, input_states, shard_state, to_save, cpu_offload)
+    if not to_save:
+        return {}
+    missing = [key for key, i in fsdp_param_info.param_indices.items()
+               if key not in output and fsdp_param_info.param_requires_grad[i]]
+    if missing:
+        raise RuntimeError(f"{missing} are not in the gathered optimizer state")
+    return output
 
 
 # -- sharded state dicts over the data-parallel mesh -------------------------------------
@@ -151,6 +190,50 @@ def holds_split_params(model: nn.Module) -> bool:
     return any(unit._handle is not None
                and any(s is not None for s in unit._handle.flat_param._param_extensions)
                for unit in FullyShardedDataParallel.fsdp_modules(model))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitParam:
+    """A tensor-parallel parameter as FSDP1 flattened it."""
+    mesh: DeviceMesh  # tensor parallelism's mesh
+    placements: tuple[object, ...]  # on ``mesh``
+    shape: torch.Size  # the whole parameter
+    stride: tuple[int, ...]
+    local_shape: torch.Size  # this rank's tensor-parallel part (what FSDP1 flattened)
+    data_mesh: DeviceMesh | None  # the unit's data-parallel mesh (None: process groups)
+
+
+def split_params(model: nn.Module) -> dict[str, SplitParam]:
+    """Original (state dict) name -> :class:`SplitParam`, for every tensor-parallel
+    parameter of the FSDP1 units of ``model`` built by our policy, tied names included.
+    The same on every rank of a tensor-parallel group, in the model's order."""
+    out: dict[str, SplitParam] = {}
+    for prefix, unit in model.named_modules():
+        if not isinstance(unit, FullyShardedDataParallel) or \
+                not getattr(unit, "_mp_policy", False) or unit._handle is None:
+            continue
+        flat = unit._handle.flat_param  # private: FlatParameter metadata, one per original
+        found: dict[str, SplitParam] = {}
+        for fqn, shape, spec in zip(flat._fqns, flat._shapes, flat._param_extensions,
+                                    strict=True):
+            if spec is None:  # not a DTensor: FSDP1 flattened it whole
+                continue
+            found[fqn] = SplitParam(spec.mesh, tuple(spec.placements), spec.tensor_meta.shape,
+                                    tuple(spec.tensor_meta.stride), torch.Size(shape),
+                                    unit._device_mesh)
+        for shared in flat._shared_param_infos:  # tied parameters: the other names
+            primary = _join(shared.prim_module_name, shared.prim_param_name)
+            if primary in found:
+                found[_join(shared.module_name, shared.param_name)] = found[primary]
+        for fqn, split in found.items():
+            # clean_tensor_name (private): drops FSDP's and activation checkpointing's
+            # wrapper prefixes, as FSDP1's own state dicts name parameters
+            out[fsdp_common_utils.clean_tensor_name(_join(prefix, fqn))] = split
+    return out
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 # -- full state dicts of models on the CPU -----------------------------------------------

@@ -11,6 +11,7 @@ from modelparallel.config import ConfigError
 from modelparallel.parallel import replicas
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.precision import HALF, compute_in, require_loss_scaling
+from modelparallel.parallel.sharding import say_what_does_not_apply
 from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
 from modelparallel.state import State, state
 
@@ -32,6 +33,7 @@ def replicate(model: nn.Module, **ddp_kwargs) -> nn.Module:
     """
     s = state.require("mp.replicate()")
     _check_replicated_layout(s)
+    say_what_does_not_apply(s, "mp.replicate()")
     blocks = find_blocks(model)
     if s.config.half_precision:
         compute_in(model, HALF[s.config.half_precision], blocks)

@@ -64,7 +64,7 @@ def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: 
     trained by the tensor-parallel ranks as data-parallel replicas.
     """
     s = state.require("mp.shard()")
-    _say_what_does_not_apply(s)
+    say_what_does_not_apply(s)
     replicas.synchronize(model, s)
     units = find_blocks(model, blocks)
     if not units and s.rank == 0:
@@ -80,9 +80,14 @@ def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: 
     return model
 
 
-def _say_what_does_not_apply(s: State) -> None:
-    """One line each for keys that do nothing under mp.shard (rank 0)."""
+def say_what_does_not_apply(s: State, call: str = "mp.shard()") -> None:
+    """One line each for keys that do nothing under mp.shard / mp.replicate (rank 0)."""
     if s.rank != 0:
+        return
+    if s.config.microbatches > 1:
+        logger.warning("microbatches=%d has no effect on %s: it splits the batches of "
+                       "@mp.step functions (mp.DistributedModel)", s.config.microbatches, call)
+    if call != "mp.shard()":
         return
     if s.config.ddp:
         logger.warning("ddp=True has no effect on mp.shard(), which shards with FSDP following "
