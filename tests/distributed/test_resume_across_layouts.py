@@ -34,6 +34,8 @@ PAIRS = [  # (saved under, resumed under)
     (Case(L(4, 1, 2, 2), "shard", "gpt2", precision="bf16"),
      Case(L(4, 1, 1, 1), "ddp", "gpt2", precision="bf16")),       # bf16, tp 2 -> DDP
     (Case(L(2, 1, 1, 0), "shard", "gpt"), Case(L(4, 1, 2, 2), "shard", "gpt")),  # 2 -> 4 ranks
+    (Case(L(4, 1, 1, 0), "shard", "gpt2"), Case(L(4, 1, 2, 2), "shard", "gpt2")),  # into fused
+    (Case(L(4, 1, 2, 2), "fsdp1", "llama"), Case(L(4, 1, 1, 0), "shard", "llama")),  # FSDP1 tp
 ]
 
 

@@ -31,7 +31,7 @@ from modelparallel.checkpoint.storage import CheckpointError
 from modelparallel.parallel import fsdp1
 from modelparallel.parallel.placement import is_meta
 from modelparallel.parallel.tensor import rng
-from modelparallel.parallel.tensor.styles import stored_shapes
+from modelparallel.parallel.tensor.styles import stored_shapes, unfuse
 
 
 def unwrap(model: nn.Module | None, optimizer: Any) -> tuple[nn.Module | None, Any, Any]:
@@ -105,9 +105,9 @@ def optimizer_state(module: nn.Module, optimizer: Any, *, full: bool = False,
     options = _options(full)
     if not full:
         _check_sharded(module)
-        return _by_global_name(module, get_optimizer_state_dict(module, optimizer,
-                                                                options=options),
-                               optimizer=True)
+        return _fused_in_model_shapes(module, _by_global_name(
+            module, get_optimizer_state_dict(module, optimizer, options=options),
+            optimizer=True))
     if every_rank:
         options.cpu_offload = False
         sd = get_optimizer_state_dict(module, optimizer, options=options)
@@ -134,6 +134,43 @@ def _in_model_shapes(module: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _fused_in_model_shapes(module: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
+    """Sharded optimizer state with fused projections in the model's state-dict shape,
+    as their parameters are saved (``FusedColwiseConv1D``): the state is gathered over
+    the merged dims and reshaped, so any layout can load it."""
+    stored = stored_shapes(module)
+    out = {}
+    for key, value in sd.items():
+        fqn = next((f for f in stored if key.startswith(f"state.{f}.")), None)
+        if fqn is not None and isinstance(value, torch.Tensor) \
+                and tuple(value.shape) == tuple(stored[fqn]):
+            value = unfuse(value, len(stored[fqn]), value.shape[-2] * value.shape[-1])
+        out[key] = value
+    return out
+
+
+def _fused_as_stored(module: nn.Module, optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
+    """The reverse of :func:`_fused_in_model_shapes`: a fused projection's state back in
+    its stored shape and placement (this rank's part; no communication)."""
+    stored = stored_shapes(module)
+    if not stored:
+        return sd
+    current = get_optimizer_state_dict(module, optimizer, options=_options(False))
+    out = dict(sd)
+    for key, value in sd.items():
+        target = current.get(key)
+        if not (isinstance(value, torch.Tensor) and isinstance(target, DTensor)) or \
+                tuple(value.shape) == tuple(target.shape) or \
+                not any(key.startswith(f"state.{f}.") for f in stored):
+            continue
+        shaped = value.reshape(target.shape)
+        out[key] = shaped.redistribute(target.device_mesh, target.placements) \
+            if isinstance(shaped, DTensor) else \
+            distribute_tensor(shaped.to(target.device), target.device_mesh, target.placements,
+                              src_data_rank=None)
+    return out
+
+
 def set_model_state(module: nn.Module, sd: dict[str, Any], *, full: bool = False,
                     strict: bool = True) -> None:
     if not full:
@@ -142,7 +179,7 @@ def set_model_state(module: nn.Module, sd: dict[str, Any], *, full: bool = False
 
 
 def set_optimizer_state(module: nn.Module, optimizer: Any, sd: dict[str, Any]) -> None:
-    sd = _by_local_part(module, sd, optimizer=True)
+    sd = _by_local_part(module, _fused_as_stored(module, optimizer, sd), optimizer=True)
     set_optimizer_state_dict(module, optimizer, sd, options=_options(False))
 
 

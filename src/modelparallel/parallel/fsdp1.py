@@ -57,8 +57,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modelparallel.config import Config, ConfigError
-from modelparallel.parallel import fsdp1_torch
+from modelparallel.parallel import fsdp1_limits, fsdp1_torch
 from modelparallel.parallel.clip import fsdp1_clip_grad_norm_
+from modelparallel.parallel.precision import require_loss_scaling
 from modelparallel.state import State, state
 
 logger = logging.getLogger("modelparallel")
@@ -436,9 +437,13 @@ def _init_with_policy(self, module, *args, **kwargs):
     final = fsdp1_arguments(state, arguments, split=split)
     if not ours:  # the script's groups, or an auto-wrapped child of a model we wrap
         return _original_init(self, module, **final)
+    fsdp1_limits.check_module(module, split)
     with fsdp1_torch.keep_sharded_strategy(split):
         _original_init(self, module, **final)
     _adopt(self, split)
+    fsdp1_limits.guard(self, split)
+    if state.config.half_precision == "fp16":
+        require_loss_scaling(self)
     return None
 
 

@@ -106,7 +106,7 @@ def _fused_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], -1)
 
 
-def _unfused(value: torch.Tensor, dims: int, nf: int) -> torch.Tensor:
+def unfuse(value: torch.Tensor, dims: int, nf: int) -> torch.Tensor:
     """``(..., chunks, width)`` back to ``(..., nf)``: gather the shards of the two merged
     dims (TP's, and FSDP's when it shards a bias on the chunk dim), then merge."""
     if isinstance(value, DTensor):
@@ -120,7 +120,7 @@ def _fused_state_dict(module, state_dict, prefix, local_metadata, *, nf: int) ->
     for name, dims in (("weight", 3), ("bias", 2)):
         key = prefix + name
         if key in state_dict:
-            state_dict[key] = _unfused(state_dict[key], dims, nf)
+            state_dict[key] = unfuse(state_dict[key], dims, nf)
 
 
 def _fused_load_state_dict(module, state_dict, prefix, *args) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from modelparallel.testing.matrix.zoo import MODELS
+from modelparallel.testing.matrix.zoo import MODELS, TIED_MODELS
 
 WORLDS: tuple[int | str, ...] = (1, 2, 4, 8, "2x2")
 PATHS = ("v1", "shard", "fsdp1", "ddp", "smddp")
@@ -259,6 +259,18 @@ def expected_refusal(case: Case) -> Refusal | None:
     if lay.schedule in SPLIT_BACKWARD and shards:
         return Refusal("pipeline", "computes weight gradients in a separate pass",
                        by_config=True)
+    if case.path == "fsdp1":  # what torch's FSDP1 cannot follow (parallel/fsdp1_limits.py)
+        tied = case.model in TIED_MODELS
+        if lay.tp > 1 and tied:
+            return Refusal("tensor_parallel_degree", "flattens the tied parameters",
+                           by_config=False)
+        if lay.tp > 1 and lay.dp_shard == 1 and case.accumulation != "none":
+            return Refusal("hybrid_shard_degree", "cannot accumulate gradients over several "
+                           "backward passes", by_config=False)
+        if (lay.tp == 1 and lay.dp_shard == 1 and tied and case.precision != "fp32"
+                and case.accumulation == "no_sync"):
+            return Refusal(case.precision, "cannot accumulate gradients in no_sync()",
+                           by_config=False)
     return None
 
 

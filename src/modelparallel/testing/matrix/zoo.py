@@ -21,6 +21,7 @@ VOCAB, SEQ, IMAGE, CLASSES = 64, 8, 8, 8
 HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "neox")
 MODELS = ("gpt", "vit", *HF_MODELS, "noplan", "partial", "tied")
 IMAGE_MODELS = ("vit", "hf-vit")
+TIED_MODELS = ("tied", "gpt2")  # input and output embeddings share one parameter
 # every model with a built-in tensor-parallel plan (hf-vit is not a matrix axis value)
 BUILTIN_PLAN_MODELS = ("gpt", "vit", *HF_MODELS, "hf-vit")
 

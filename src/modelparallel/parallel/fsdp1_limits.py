@@ -1,0 +1,59 @@
+"""What torch's FSDP1 cannot do on the layouts modelparallel gives it: said up front.
+
+Each check turns a torch failure deep inside FSDP1 (or a silently wrong model) into a
+``ConfigError`` naming the cause and the way out, raised the same way on every rank
+before FSDP1 runs a collective or, for what the script does later, when it does it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+from modelparallel.config import ConfigError
+from modelparallel.parallel.tensor.transform import tied_groups
+
+
+def check_module(module: nn.Module, split: bool) -> None:
+    """Before construction: tied parameters of a tensor-parallel model."""
+    if not split:
+        return
+    tied = [[f"{type(m).__name__}.{n}" for m, n in group] for group in tied_groups(module)]
+    if tied:
+        raise ConfigError([("tensor_parallel_degree", (
+            f"FSDP1 flattens the tied parameters {tied[0]} of this tensor-parallel model as "
+            "separate tensors, so they would be trained apart; wrap it with mp.shard() "
+            "(FSDP2), which keeps them tied, or untie them"))])
+
+
+def guard(model: FullyShardedDataParallel, split: bool) -> None:
+    """After construction: what the script may do later that FSDP1 cannot follow."""
+    if split and model.world_size == 1:
+        model.register_forward_pre_hook(_no_accumulation, prepend=True)
+    shared = bool(tied_groups(model.module))
+    if (model.sharding_strategy == ShardingStrategy.NO_SHARD and shared
+            and model.mixed_precision.param_dtype not in (None, torch.float32)):
+        model.no_sync = functools.partial(_no_sync_refused, model.mixed_precision.param_dtype)
+
+
+def _no_accumulation(module: nn.Module, args: Any) -> None:
+    if any(p.grad is not None for p in module.parameters()):
+        raise ConfigError([("hybrid_shard_degree", (
+            "gradients from an earlier backward are still there: FSDP1 cannot accumulate "
+            "gradients over several backward passes of a tensor-parallel model when each of "
+            "its shard groups has one rank (hybrid_shard_degree 1, or one data-parallel "
+            "rank); call optimizer.zero_grad() after each step, shard over more ranks "
+            "(hybrid_shard_degree >= 2 or 0), or use mp.shard() (FSDP2)"))])
+
+
+def _no_sync_refused(dtype: torch.dtype) -> None:
+    raise ConfigError([("bf16" if dtype == torch.bfloat16 else "fp16", (
+        "FSDP1 cannot accumulate gradients in no_sync() for a model with tied parameters "
+        f"in {dtype} mixed precision when it does not shard (NO_SHARD; torch's own fails "
+        "assigning the half-precision gradient): accumulate with synchronised backward "
+        "passes (without no_sync), shard the model (hybrid_shard_degree >= 2 or 0), or use "
+        "mp.shard() (FSDP2)"))])
