@@ -137,6 +137,10 @@ def _fused_load_state_dict(module, state_dict, prefix, *args) -> None:
                                           src_data_rank=None)
 
 
+# what FSDP1 and torch's checkpoint wrapper insert in module paths
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
 def stored_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Parameter name -> stored shape, for parameters stored in another shape than their
     state-dict entry (fused projections)."""
@@ -144,5 +148,7 @@ def stored_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     for path, module in model.named_modules():
         for name, shape in getattr(module, "_mp_stored_shapes", {}).items():
             fqn = f"{path}.{name}" if path else name
-            out[fqn.replace("_fsdp_wrapped_module.", "")] = shape
+            for wrapper in _WRAPPER_PREFIXES:  # state dicts name parameters without them
+                fqn = fqn.replace(wrapper, "")
+            out[fqn] = shape
     return out

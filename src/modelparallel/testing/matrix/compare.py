@@ -3,7 +3,11 @@
 Tolerances (relative; a parameter or state tensor compares its largest difference to
 its largest absolute value):
 
-- fp32: 1e-5, as every parity test of the suite.
+- fp32: 1e-5 for the losses, as every parity test of the suite; a parameter or
+  optimizer-state tensor may also differ by 3x what two legal summation orders differ
+  by in one process (below) — after 3 steps, a momentum buffer whose gradient is a sum
+  of cancelling terms (Qwen3's q_proj under a zero-bubble schedule, whose weight
+  gradients are summed in a later pass) moves by 1.1e-5 of its largest value.
 - bf16 (unit round-off u = 2^-9) and fp16 (u = 2^-12; loss scaling is by powers of two,
   exact): every op rounds its output, so two computations that only sum in a different
   order — one process on the whole global batch, and one process on the same batch cut
@@ -66,7 +70,7 @@ def problems(case: Case, results: list[RunResult], ref: RunResult | None,
     worst = 0.0
     for step, (a, b) in enumerate(zip(first.losses, ref.losses, strict=False)):
         rel = abs(a - b) / abs(b)
-        tol = base if sliced is None else max(
+        tol = base if sliced is None or case.precision == "fp32" else max(
             base, NOISE_MARGIN * abs(sliced.losses[step] - b) / abs(b))
         worst = max(worst, rel)
         if not rel <= tol:

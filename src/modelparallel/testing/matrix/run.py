@@ -69,8 +69,7 @@ def judge(case: Case, results: list[train.RunResult] | None, error: str | None,
     ref = sliced = None
     if not case.dropout:
         ref = _cached_reference(case)
-        if case.precision != "fp32":
-            sliced = _cached_reference(case, sliced=True)
+        sliced = _cached_reference(case, sliced=True)
     found, worst = compare.problems(case, results, ref, sliced)
     if found:
         return Outcome(case, "FAIL", worst, "\n".join(found[:20]), seconds)
