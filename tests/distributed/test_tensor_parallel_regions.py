@@ -76,3 +76,44 @@ def unsummed_case() -> float:
     want = ref.model.model.layers[0].self_attn.q_norm.weight.grad
     return float((got - want).abs().max() / want.abs().max()) if torch.isfinite(got).all() \
         else float("inf")
+
+
+class Gated(__import__("torch").nn.Module):
+    """An MLP whose split activation is scaled by a value computed from its replicated
+    input: that value's gradient would be a partial sum on each rank."""
+
+    def __init__(self):
+        from torch import nn
+
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(self.up(x) * x.mean(-1, keepdim=True))
+
+
+def refused_case() -> str:
+    import torch
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    import modelparallel as mp
+
+    mp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})
+    mp.tp_register_with_module(Gated, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    try:
+        torch.manual_seed(0)
+        model = mp.transform(Gated())
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        model(x).sum().backward()
+    except mp.ConfigError as e:
+        return str(e)
+    finally:
+        mp.parallel.tensor.plans.unregister(Gated)
+    return "trained"
+
+
+def test_a_replicated_activation_meeting_a_split_one_is_refused(workers):
+    for msg in workers(2).run(refused_case):
+        assert "- tensor_parallel_degree: in the model (Gated): a replicated tensor that " \
+               "needs a gradient (shape (4, 1), not a parameter" in msg, msg
+        assert "meets a tensor-parallel split activation in op 'mul'" in msg

@@ -165,9 +165,10 @@ class SplitRegions:
                     add_view(module, self._sum, [name], first=True)
                     return True
         op = getattr(func, "__name__", str(func))
-        where = self._paths.get(id(self.running[-1]), "?") if self.running else "the model"
+        where = (self._paths.get(id(self.running[-1]), "") if self.running else "") or \
+            f"the model ({type(self.model).__name__})"
         raise ConfigError([("tensor_parallel_degree", (
-            f"in {where or type(self.model).__name__}: a replicated tensor that needs a "
+            f"in {where}: a replicated tensor that needs a "
             f"gradient (shape {tuple(t.shape)}, not a parameter of a module whose forward is "
             f"running) meets a tensor-parallel split activation in op {op!r}: its gradient "
             "would be a partial sum on each rank. Compute it inside the module that uses it "
