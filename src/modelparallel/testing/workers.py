@@ -10,7 +10,9 @@ runs one function after another on every rank::
 A case is a module-level function (it is pickled by reference). Each rank's return
 value comes back in rank order; ``modelparallel.reset()`` runs after every case. If
 a rank raises, :class:`WorkerError` carries its traceback; ranks that do not answer
-in time are killed and the group restarts on the next ``run``.
+in time are killed and the group restarts on the next ``run``, as it does when the
+ranks that raised leave the default group unusable, or when the cases have left too
+many gloo groups alive (each costs every process a thread that wakes every 10 ms).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _worker_main(rank: int, world_size: int, store_port: int, conn, env: dict[st
                           timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
-    conn.send_bytes(pickle.dumps(("ready", None)))
+    conn.send_bytes(pickle.dumps(("ready", None, 0)))
     while True:
         fn, kwargs = pickle.loads(conn.recv_bytes())
         if fn is None:
@@ -58,19 +60,45 @@ def _worker_main(rank: int, world_size: int, store_port: int, conn, env: dict[st
         finally:
             modelparallel.reset()
         try:
-            payload = pickle.dumps(reply)
+            payload = pickle.dumps((*reply, _gloo_loops()))
         except Exception as e:
-            payload = pickle.dumps(("error", f"result of {fn.__name__} is not picklable: {e}"))
+            payload = pickle.dumps(("error", f"result of {fn.__name__} is not picklable: {e}",
+                                    _gloo_loops()))
         conn.send_bytes(payload)
     dist.destroy_process_group()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _gloo_loops() -> int:
+    """How many gloo transport threads this process runs (Linux; 0 elsewhere).
+
+    Every gloo process group has its own event-loop thread that wakes every 10 ms, even
+    idle, and cases create groups (meshes of new layouts) that live as long as the
+    process: hundreds of them make every process of the machine crawl.
+    """
+    count = 0
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() == "gloo_tcp_loop"
+    return count
 
 
 class WorkerGroup:
     """``world_size`` gloo processes on this machine that run cases on demand."""
 
     def __init__(self, world_size: int, *, case_timeout_s: float = 300,
-                 collective_timeout_s: float = 60, env: dict[str, str] | None = None):
+                 collective_timeout_s: float = 60, env: dict[str, str] | None = None,
+                 max_gloo_groups: int = 24):
         self.world_size = world_size
+        # past this many live gloo groups in a worker, the group restarts before the next
+        # case (see _gloo_loops)
+        self.max_gloo_groups = max_gloo_groups
         self.case_timeout_s = case_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self.env = env or {}
@@ -121,6 +149,7 @@ class WorkerGroup:
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
         errors: dict[int, str] = {}
+        loops = 0
         start = time.monotonic()
         deadline = start + timeout_s
         while pending:
@@ -130,7 +159,8 @@ class WorkerGroup:
             for rank in list(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
                 if conn.poll(0.05):
-                    status, value = pickle.loads(conn.recv_bytes())
+                    status, value, rank_loops = pickle.loads(conn.recv_bytes())
+                    loops = max(loops, rank_loops)
                     pending.discard(rank)
                     if status == "error":
                         errors[rank] = value
@@ -141,8 +171,11 @@ class WorkerGroup:
                 elif not proc.is_alive():
                     pending.discard(rank)
                     errors[rank] = f"process died with exit code {proc.exitcode}"
+        # a half-finished group cannot run the next case; one where every rank answered
+        # (all raised the same refusal, say) can, if its default group still works
+        if pending or (errors and not self._healthy()) or loops > self.max_gloo_groups:
+            self.close()
         if pending or errors:
-            self.close()  # a half-finished group cannot run the next case
             lines = [f"{what} failed on {self.world_size} ranks:"]
             lines += [f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items())]
             if pending:
@@ -152,6 +185,22 @@ class WorkerGroup:
                              f"{sorted(pending)}")
             raise WorkerError("\n".join(lines))
         return results
+
+    def _healthy(self, timeout_s: float = 10) -> bool:
+        """Whether every rank still answers and passes a barrier of the default group."""
+        try:
+            message = pickle.dumps((_barrier, {}))
+            for conn in self._conns:
+                conn.send_bytes(message)
+            deadline = time.monotonic() + timeout_s
+            for conn in self._conns:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    return False
+                if pickle.loads(conn.recv_bytes())[0] != "ok":
+                    return False
+        except (OSError, EOFError):
+            return False
+        return True
 
     def close(self, grace_s: float = 5) -> None:
         """Ask the workers to exit; kill those still running after ``grace_s``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -156,20 +157,24 @@ def run_multinode(cases: list[Case], timeout_s: float = 3600) -> Iterator[Outcom
         port = _free_port()
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
         start = time.monotonic()
-        agents = [subprocess.Popen(
-            [sys.executable, "-m", "modelparallel", "run", "--nnodes", "2", "--node-rank",
-             str(node), "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             str(driver), str(spec), tmp], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-        logs = []
+        # each agent writes to its own file: a pipe read only after the other agent ends
+        # would fill up and stall the whole job
+        logs = [Path(tmp, f"node{node}.log") for node in (0, 1)]
+        agents = []
+        for node, log in enumerate(logs):
+            with log.open("w") as out:
+                agents.append(subprocess.Popen(
+                    [sys.executable, "-m", "modelparallel", "run", "--nnodes", "2",
+                     "--node-rank", str(node), "--nproc-per-node", "2", "--rdzv-endpoint",
+                     f"127.0.0.1:{port}", str(driver), str(spec), tmp],
+                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         for agent in agents:
             try:
-                out, _ = agent.communicate(timeout=max(1, timeout_s - (time.monotonic()
-                                                                       - start)))
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                out, _ = agent.communicate()
-            logs.append(out)
+                agent.wait(timeout=max(1, timeout_s - (time.monotonic() - start)))
+            except subprocess.TimeoutExpired:  # the agent and its workers, all of them
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        logs = [log.read_text(errors="replace") for log in logs]
         per_rank = []
         for rank in range(4):
             path = Path(tmp, f"rank{rank}.pkl")
