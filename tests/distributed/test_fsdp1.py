@@ -489,12 +489,11 @@ def fused_checkpoint_case(root: str) -> str:
     """HF GPT-2's fused c_attn under FSDP1 + tensor parallelism: its checkpoint saves,
     and loading it back into FSDP1 is refused before any collective (the fused
     projection's load hook cannot take FSDP1's tensors)."""
+    import transformers
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from modelparallel.testing.matrix import zoo
-
-    import transformers
 
     mp.init(TP2_HYBRID2)
     with warnings.catch_warnings():

@@ -12,7 +12,7 @@ import torch
 from modelparallel.testing.matrix import compare, zoo
 from modelparallel.testing.matrix.space import Case
 from modelparallel.testing.matrix.space import Layout as L
-from modelparallel.testing.matrix.train import PathRun
+from modelparallel.testing.matrix.train import PathRun, quiet
 
 ROWS, SAVE_AT, AFTER = 16, 2, 3
 PP2 = dict(schedule="interleaved")
@@ -45,22 +45,24 @@ def _batches(case: Case):
 
 def save_case(case_dict: dict, path: str) -> dict:
     """Train, save after SAVE_AT steps, and go on without interruption."""
-    run = PathRun(Case.from_dict(case_dict))
-    batches = _batches(run.case)
-    for x, y in batches[:SAVE_AT]:
-        run.step(x, y)
-    run.save(path, f"step{SAVE_AT}")
-    rng = torch.get_rng_state()
-    losses = [run.step(x, y) for x, y in batches[SAVE_AT:]]
-    return {"result": run.result(losses), "rng": rng}
+    with quiet():
+        run = PathRun(Case.from_dict(case_dict))
+        batches = _batches(run.case)
+        for x, y in batches[:SAVE_AT]:
+            run.step(x, y)
+        run.save(path, f"step{SAVE_AT}")
+        rng = torch.get_rng_state()
+        losses = [run.step(x, y) for x, y in batches[SAVE_AT:]]
+        return {"result": run.result(losses), "rng": rng}
 
 
 def resume_case(case_dict: dict, path: str) -> dict:
-    run = PathRun(Case.from_dict(case_dict), seed=7)  # other weights: the load replaces them
-    run.resume(path)
-    rng = torch.get_rng_state()
-    losses = [run.step(x, y) for x, y in _batches(run.case)[SAVE_AT:]]
-    return {"result": run.result(losses), "rng": rng}
+    with quiet():
+        run = PathRun(Case.from_dict(case_dict), seed=7)  # other weights: the load replaces them
+        run.resume(path)
+        rng = torch.get_rng_state()
+        losses = [run.step(x, y) for x, y in _batches(run.case)[SAVE_AT:]]
+        return {"result": run.result(losses), "rng": rng}
 
 
 def _id(pair) -> str:
@@ -96,6 +98,7 @@ def test_without_the_load_the_runs_differ(workers, tmp_path):
 
 
 def fresh_case(case_dict: dict):
-    run = PathRun(Case.from_dict(case_dict), seed=7)
-    losses = [run.step(x, y) for x, y in _batches(run.case)[SAVE_AT:]]
-    return run.result(losses)
+    with quiet():
+        run = PathRun(Case.from_dict(case_dict), seed=7)
+        losses = [run.step(x, y) for x, y in _batches(run.case)[SAVE_AT:]]
+        return run.result(losses)

@@ -9,15 +9,15 @@ its largest absolute value):
   of cancelling terms (Qwen3's q_proj under a zero-bubble schedule, whose weight
   gradients are summed in a later pass) moves by 1.1e-5 of its largest value.
 - bf16 (unit round-off u = 2^-8: 8 significant bits) and fp16 (u = 2^-11: 11 bits; loss
-  scaling is by powers of two, exact): every op rounds its output, so two computations that only sum in a different
-  order — one process on the whole global batch, and one process on the same batch cut
-  the way the parallel run cuts it (data replicas x accumulation passes x
-  microbatches, one backward per slice) — already differ, and by much more than u
-  where a gradient is a sum of terms that cancel (measured here: momentum buffers of a
-  Qwen3 3e-2 apart in bf16, 4e-3 in fp16). The parallel run is one more such order, so
-  each loss and tensor may differ from the whole-batch reference by 3x what the two
-  one-process runs differ by, and at least 10 u (3.9e-2 bf16, 4.9e-3 fp16); the loss
-  scale must be the same, step for step.
+  scaling is by powers of two, exact): every op rounds its output, so two computations
+  that only sum in a different order — one process on the whole global batch, and one
+  process on the same batch cut the way the parallel run cuts it (data replicas x
+  accumulation passes x microbatches, one backward per slice) — already differ, and by
+  much more than u where a gradient is a sum of terms that cancel (measured here:
+  momentum buffers of a Qwen3 3e-2 apart in bf16, 4e-3 in fp16). The parallel run is one
+  more such order, so each loss and tensor may differ from the whole-batch reference by
+  3x what the two one-process runs differ by, and at least 10 u (3.9e-2 bf16, 4.9e-3
+  fp16); the loss scale must be the same, step for step.
 
 A tensor whose exact gradient is zero (an attention key bias: softmax ignores a constant
 added to every logit of a row) holds only round-off, which no relative test can compare:

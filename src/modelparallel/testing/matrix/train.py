@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,9 +97,10 @@ def reference(case: Case, *, sliced: bool = False) -> RunResult:
 
 def run_rank(case_dict: dict[str, Any]) -> RunResult:
     """Train ``case`` on this rank (the default process group exists); gather the result."""
-    run = PathRun(Case.from_dict(case_dict))
-    losses = [run.step(x, y) for x, y in zoo.batches(run.case.model, STEPS, run.case.rows)]
-    return run.result(losses)
+    with quiet():
+        run = PathRun(Case.from_dict(case_dict))
+        losses = [run.step(x, y) for x, y in zoo.batches(run.case.model, STEPS, run.case.rows)]
+        return run.result(losses)
 
 
 class PathRun:
@@ -106,7 +108,6 @@ class PathRun:
     script on the case's API path builds them; ``step`` trains on one global batch."""
 
     def __init__(self, case: Case, seed: int = SEED):
-        _quiet()
         self.case = case
         self.mp = mp = _init(case)
         from modelparallel.parallel.precision import LossScaler
@@ -182,18 +183,24 @@ class PathRun:
                          self.scaler.state_dict() if self.scaler else None)
 
 
-def _quiet() -> None:
-    """Warnings and torch's own error logs would bury the results; errors still raise."""
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Warnings and torch's own error logs would bury the results; errors still raise.
+    The levels and filters come back afterwards: a worker runs other tests next."""
     import logging
     import warnings
 
-    warnings.filterwarnings("ignore")
-    for name in ("torch", "transformers", "modelparallel"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    with contextlib.suppress(ImportError):
-        import transformers
-
-        transformers.logging.set_verbosity_error()
+    loggers = [logging.getLogger(name) for name in ("torch", "transformers", "modelparallel")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels, strict=True):
+                logger.setLevel(level)
 
 
 def _init(case: Case):
