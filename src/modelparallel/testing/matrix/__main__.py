@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 import time
 
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the case ids and exit")
     p.add_argument("--report", default=None, help="write the result table (markdown) here")
     p.add_argument("--quiet", action="store_true", help="print failures and the summary only")
-    args = p.parse_args(argv)
+    argv_used = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv_used)
 
     cases = (ci_cases() if args.ci else regression_cases() if args.regression
              else full_cases())
@@ -63,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(o.status == 'refused as expected' for o in outcomes)} refused as expected, "
           f"{len(failed)} failed")
     if args.report:
-        write_report(args.report, outcomes, wall)
+        command = " ".join(["python -m modelparallel.testing.matrix",
+                            *map(shlex.quote, argv_used)])
+        write_report(args.report, outcomes, wall, command=command,
+                     full_size=len(full_cases()))
     return 1 if failed else 0
 
 
