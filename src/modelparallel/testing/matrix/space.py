@@ -264,7 +264,9 @@ def expected_refusal(case: Case) -> Refusal | None:
         if lay.tp > 1 and tied:
             return Refusal("tensor_parallel_degree", "flattens the tied parameters",
                            by_config=False)
-        if lay.tp > 1 and lay.dp_shard == 1 and case.accumulation != "none":
+        # a model tensor parallelism does not split shards over its TP ranks as well
+        split = lay.tp > 1 and case.model != "noplan"
+        if split and lay.dp_shard == 1 and case.accumulation != "none":
             return Refusal("hybrid_shard_degree", "cannot accumulate gradients over several "
                            "backward passes", by_config=False)
         if (lay.tp == 1 and lay.dp_shard == 1 and tied and case.precision != "fp32"
