@@ -9,6 +9,7 @@ rendezvous on loopback), whose workers run the whole batch of cases in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -168,13 +169,16 @@ def run_multinode(cases: list[Case], timeout_s: float = 3600) -> Iterator[Outcom
                      "--node-rank", str(node), "--nproc-per-node", "2", "--rdzv-endpoint",
                      f"127.0.0.1:{port}", str(driver), str(spec), tmp],
                     env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        for agent in agents:
-            try:
-                agent.wait(timeout=max(1, timeout_s - (time.monotonic() - start)))
-            except subprocess.TimeoutExpired:  # the agent and its workers, all of them
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
-        logs = [log.read_text(errors="replace") for log in logs]
+        try:
+            for agent in agents:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.wait(timeout=max(1, timeout_s - (time.monotonic() - start)))
+        finally:  # past the limit, or interrupted: the agents and their workers, all of them
+            for agent in agents:
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
+        texts = [log.read_text(errors="replace") for log in logs]
         per_rank = []
         for rank in range(4):
             path = Path(tmp, f"rank{rank}.pkl")
@@ -183,7 +187,7 @@ def run_multinode(cases: list[Case], timeout_s: float = 3600) -> Iterator[Outcom
             got = [r.get(case.id) for r in per_rank]
             if any(g is None for g in got):
                 yield judge(case, None, "the 2-node job ended before this case finished:\n"
-                            + "\n".join(log[-3000:] for log in logs), 0.0)
+                            + "\n".join(text[-3000:] for text in texts), 0.0)
                 continue
             errors = [(rank, e) for rank, (_, e, _) in enumerate(got) if e is not None]
             seconds = max(s for _, _, s in got)
