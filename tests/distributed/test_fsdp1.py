@@ -5,6 +5,7 @@ the full optimizer state, mp.save_checkpoint across layouts, mixed precision, an
 models tensor parallelism leaves whole.
 """
 
+import contextlib
 import functools
 import os
 import warnings
@@ -130,6 +131,52 @@ def test_unsharded_data_parallel_trains_like_one_process(workers, world, config,
     for problems in workers(world).run(parity_case, config=config,
                                        use_orig_params=use_orig_params):
         assert problems == []
+
+
+def no_sync_case(config: dict, use_orig_params: bool) -> tuple[list[str], list[str]]:
+    """Two backward passes per step, the first inside ``model.no_sync()``."""
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("modelparallel").addHandler(handler)
+    try:
+        model = transformed(config, use_orig_params=use_orig_params)
+        optimizer = sgd(model)
+        group = mp.get_dp_process_group()
+        losses = []
+        for batch in batches():
+            inputs, targets = local_rows(batch, *replica_rank_and_size())
+            half = inputs.shape[0] // 2
+            total = torch.zeros(())
+            for part, rows in enumerate((slice(0, half), slice(half, None))):
+                with model.no_sync() if part == 0 else contextlib.nullcontext():
+                    loss = lm_loss(model(inputs[rows]), targets[rows]) / 2
+                    loss.backward()
+                total += loss.detach()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dist.all_reduce(total, group=group)
+            losses.append(float(total) / dist.get_world_size(group))
+    finally:
+        logging.getLogger("modelparallel").removeHandler(handler)
+    result = TrainResult(losses, full_parameters(model))
+    return parity_problems(result, reference()), messages
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_no_sync_accumulation_of_a_tensor_parallel_model(workers, use_orig_params):
+    """With use_orig_params, torch's FSDP1 cannot hold a tensor-parallel model's
+    gradients in no_sync() (it failed the next forward with "invalid python storage"):
+    every backward reduces them, they accumulate to the one-process gradient, and rank 0
+    says so once. Flat parameters keep torch's no_sync(), without a word."""
+    results = workers(4).run(no_sync_case, config=TP2, use_orig_params=use_orig_params)
+    for rank, (problems, messages) in enumerate(results):
+        assert problems == [], rank
+        said = [m for m in messages if m.startswith("no_sync() has no effect")]
+        assert len(said) == (1 if rank == 0 and use_orig_params else 0), (rank, messages)
+        assert all("every backward reduces them" in m for m in said)
 
 
 # -- 3. the SMP v2 sharded checkpoint: one directory per tp rank --------------------------

@@ -441,7 +441,7 @@ def _init_with_policy(self, module, *args, **kwargs):
     with fsdp1_torch.keep_sharded_strategy(split):
         _original_init(self, module, **final)
     _adopt(self, split)
-    fsdp1_limits.guard(self, split)
+    fsdp1_limits.guard(self, split, bool(final.get("use_orig_params", False)))
     if state.config.half_precision == "fp16":
         require_loss_scaling(self)
     return None

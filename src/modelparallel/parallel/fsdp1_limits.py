@@ -7,7 +7,10 @@ before FSDP1 runs a collective or, for what the script does later, when it does 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +19,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from modelparallel.config import ConfigError
 from modelparallel.parallel.tensor.transform import tied_groups
+
+logger = logging.getLogger("modelparallel")
 
 
 def check_module(module: nn.Module, split: bool) -> None:
@@ -30,10 +35,12 @@ def check_module(module: nn.Module, split: bool) -> None:
             "(FSDP2), which keeps them tied, or untie them"))])
 
 
-def guard(model: FullyShardedDataParallel, split: bool) -> None:
+def guard(model: FullyShardedDataParallel, split: bool, use_orig_params: bool) -> None:
     """After construction: what the script may do later that FSDP1 cannot follow."""
     if split and model.world_size == 1:
         model.register_forward_pre_hook(_no_accumulation, prepend=True)
+    if split and use_orig_params:
+        model.no_sync = functools.partial(_synchronised_no_sync, model)
     shared = bool(tied_groups(model.module))
     if (model.sharding_strategy == ShardingStrategy.NO_SHARD and shared
             and model.mixed_precision.param_dtype not in (None, torch.float32)):
@@ -48,6 +55,23 @@ def _no_accumulation(module: nn.Module, args: Any) -> None:
             "its shard groups has one rank (hybrid_shard_degree 1, or one data-parallel "
             "rank); call optimizer.zero_grad() after each step, shard over more ranks "
             "(hybrid_shard_degree >= 2 or 0), or use mp.shard() (FSDP2)"))])
+
+
+@contextlib.contextmanager
+def _synchronised_no_sync(model: FullyShardedDataParallel) -> Iterator[None]:
+    # with use_orig_params, torch's FSDP1 keeps a tensor-parallel model's unsharded
+    # gradients as DTensors in no_sync() and then fails writing them back ("invalid
+    # python storage") on the next forward; reduced in every backward, the gradients
+    # accumulate all the same
+    if not getattr(model, "_mp_no_sync_noted", False):
+        model._mp_no_sync_noted = True
+        if torch.distributed.get_rank() == 0:
+            logger.warning("no_sync() has no effect on this tensor-parallel FSDP1 model: "
+                           "with use_orig_params=True torch's FSDP1 cannot hold its "
+                           "unsharded gradients, so every "
+                           "backward reduces them (they accumulate all the same); "
+                           "mp.shard() (FSDP2) skips the reduction")
+    yield
 
 
 def _no_sync_refused(dtype: torch.dtype) -> None:

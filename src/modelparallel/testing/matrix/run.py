@@ -68,11 +68,13 @@ def judge(case: Case, results: list[train.RunResult] | None, error: str | None,
     if error is not None:
         return Outcome(case, "FAIL", 0.0, error, seconds)
     assert results is not None
-    ref = sliced = None
+    ref = sliced = exact = None
     if not case.dropout:
         ref = _cached_reference(case)
         sliced = _cached_reference(case, sliced=True)
-    found, worst = compare.problems(case, results, ref, sliced)
+        if case.precision == "fp32":
+            exact = _cached_reference(case, exact=True)
+    found, worst = compare.problems(case, results, ref, sliced, exact)
     if found:
         return Outcome(case, "FAIL", worst, "\n".join(found[:20]), seconds)
     return Outcome(case, "pass", worst, "", seconds)
@@ -81,10 +83,11 @@ def judge(case: Case, results: list[train.RunResult] | None, error: str | None,
 _REFERENCES: dict[tuple, train.RunResult] = {}
 
 
-def _cached_reference(case: Case, *, sliced: bool = False) -> train.RunResult:
-    key = (*_reference_key(case), train.slices(case) if sliced else 1)
+def _cached_reference(case: Case, *, sliced: bool = False,
+                      exact: bool = False) -> train.RunResult:
+    key = (*_reference_key(case), train.slices(case) if sliced else 1, exact)
     if key not in _REFERENCES:
-        _REFERENCES[key] = train.reference(case, sliced=sliced)
+        _REFERENCES[key] = train.reference(case, sliced=sliced, exact=exact)
     return _REFERENCES[key]
 
 

@@ -57,12 +57,17 @@ def slices(case: Case) -> int:
     return case.data_replicas * passes(case) * (case.microbatches if case.path == "v1" else 1)
 
 
-def reference(case: Case, *, sliced: bool = False) -> RunResult:
+def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunResult:
     """One process, the same precision policy: the whole global batch per step, or
-    (``sliced``) the batch cut as the parallel run cuts it, one backward per slice."""
+    (``sliced``) the batch cut as the parallel run cuts it, one backward per slice.
+    ``exact`` (fp32 cases): the same model and data in float64, the answer every fp32
+    summation order approximates."""
     from modelparallel.parallel.precision import HALF, LossScaler, compute_in
 
     model = zoo.build(case.model, case.layers, case.dropout, SEED)
+    if exact:
+        assert case.precision == "fp32", "the float64 answer is for fp32 cases"
+        model = model.double()
     if case.precision != "fp32":
         compute_in(model, HALF[case.precision], zoo.blocks_of(model))
     scaler = LossScaler(FP16_INIT_SCALE) if case.precision == "fp16" else None
@@ -71,6 +76,8 @@ def reference(case: Case, *, sliced: bool = False) -> RunResult:
     losses = []
     pieces = slices(case) if sliced else 1
     for x, y in zoo.batches(case.model, STEPS, case.rows):
+        if exact and x.is_floating_point():
+            x = x.double()
         optimizer.zero_grad()
         n = x.shape[0] // pieces
         loss = torch.zeros(())
