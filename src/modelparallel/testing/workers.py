@@ -60,10 +60,10 @@ def _worker_main(rank: int, world_size: int, store_port: int, conn, env: dict[st
         finally:
             modelparallel.reset()
         try:
-            payload = pickle.dumps((*reply, _gloo_loops()))
+            payload = pickle.dumps((*reply, gloo_loops()))
         except Exception as e:
             payload = pickle.dumps(("error", f"result of {fn.__name__} is not picklable: {e}",
-                                    _gloo_loops()))
+                                    gloo_loops()))
         conn.send_bytes(payload)
     dist.destroy_process_group()
 
@@ -74,7 +74,7 @@ def _barrier() -> None:
     dist.barrier()
 
 
-def _gloo_loops() -> int:
+def gloo_loops() -> int:
     """How many gloo transport threads this process runs (Linux; 0 elsewhere).
 
     Every gloo process group has its own event-loop thread that wakes every 10 ms, even
@@ -97,7 +97,7 @@ class WorkerGroup:
                  max_gloo_groups: int = 24):
         self.world_size = world_size
         # past this many live gloo groups in a worker, the group restarts before the next
-        # case (see _gloo_loops)
+        # case (see gloo_loops)
         self.max_gloo_groups = max_gloo_groups
         self.case_timeout_s = case_timeout_s
         self.collective_timeout_s = collective_timeout_s

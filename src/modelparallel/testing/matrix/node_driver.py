@@ -1,7 +1,11 @@
-"""The worker script of a 2-node matrix run: every case of a batch, results to a file.
+"""The worker script of a 2-node matrix run: cases of a batch, results to a file.
 
-Run by ``modelparallel run --nnodes 2 ...`` on each node: ``node_driver.py CASES OUT``.
-Each rank writes ``OUT/rank<R>.pkl``: case id -> (result, error, seconds).
+Run by ``modelparallel run --nnodes 2 ...`` on each node:
+``node_driver.py CASES OUT MAX_GLOO_GROUPS``. Each rank writes ``OUT/rank<R>.pkl`` (case
+id -> (result, error, seconds)) after every case. Cases create process groups that live
+as long as the process; once a rank holds more than ``MAX_GLOO_GROUPS`` gloo groups the
+job stops cleanly after the current case and the caller relaunches it for the rest (as
+:class:`~modelparallel.testing.WorkerGroup` restarts its workers).
 """
 
 import datetime
@@ -17,11 +21,13 @@ import torch.distributed as dist
 import modelparallel
 from modelparallel.testing.matrix.space import Case
 from modelparallel.testing.matrix.train import run_rank
+from modelparallel.testing.workers import gloo_loops
 
 
 def main() -> None:
     cases = pickle.loads(Path(sys.argv[1]).read_bytes())
     out = Path(sys.argv[2])
+    max_gloo_groups = int(sys.argv[3])
     torch.set_num_threads(1)
     # a case that fails on one rank leaves the others in a collective: give up in 60 s
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -38,7 +44,11 @@ def main() -> None:
         finally:
             modelparallel.reset()
         (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
-        dist.barrier()
+        # every rank must agree to stop: the largest count decides (and this syncs the ranks)
+        loops = torch.tensor([gloo_loops()])
+        dist.all_reduce(loops, op=dist.ReduceOp.MAX)
+        if loops.item() > max_gloo_groups:
+            break
     dist.destroy_process_group()
 
 

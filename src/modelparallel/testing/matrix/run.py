@@ -3,13 +3,13 @@
 Single-node cases run in :class:`~modelparallel.testing.WorkerGroup` processes, started
 once per world size and reused. The 2-node cases run through the launcher as a real
 multi-node job would: two ``modelparallel run --nnodes 2 --node-rank R`` agents (static
-rendezvous on loopback), whose workers run the whole batch of cases in
-``node_driver.py`` and write each rank's results to a file.
+rendezvous on loopback), whose workers run the cases in ``node_driver.py`` and write
+each rank's results to a file; a job stops once its processes hold many process groups
+and the next job goes on with the rest.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import signal
@@ -152,8 +152,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_multinode(cases: list[Case], timeout_s: float = 3600) -> Iterator[Outcome]:
-    """Run 2 x 2 cases as one job of two launcher agents; yield their outcomes."""
+def run_multinode(cases: list[Case], timeout_s: float = 3600,
+                  max_gloo_groups: int = 64) -> Iterator[Outcome]:
+    """Run 2 x 2 cases as jobs of two launcher agents; yield their outcomes.
+
+    A job runs cases until its processes hold more than ``max_gloo_groups`` gloo groups
+    (see :func:`~modelparallel.testing.workers.gloo_loops`), then stops and the next job
+    takes the rest. A job that dies fails the case it was running, and only that one.
+    """
+    deadline = time.monotonic() + timeout_s
+    remaining = list(cases)
+    while remaining:
+        per_rank, crashed, log = _launch_nodes(remaining, deadline - time.monotonic(),
+                                               max_gloo_groups)
+        finished = []
+        for case in remaining:
+            got = [r.get(case.id) for r in per_rank]
+            if any(g is None for g in got):
+                break  # cases run in order: none after this one finished either
+            finished.append(case)
+            errors = [(rank, e) for rank, (_, e, _) in enumerate(got) if e is not None]
+            seconds = max(s for _, _, s in got)
+            if errors:
+                text = f"{case.id} failed on 4 ranks:\n" + "\n".join(
+                    f"--- rank {rank} ---\n{e}" for rank, e in errors)
+                yield judge(case, None, text, seconds)
+            else:
+                yield judge(case, [r for r, _, _ in got], None, seconds)
+        remaining = remaining[len(finished):]
+        if remaining and (crashed or not finished or time.monotonic() > deadline):
+            # the job died (or ran out of time) in this case
+            case, remaining = remaining[0], remaining[1:]
+            yield judge(case, None, "the 2-node job ended in this case:\n" + log, 0.0)
+            if time.monotonic() > deadline:
+                for case in remaining:
+                    yield judge(case, None, f"not run: the 2-node jobs took over {timeout_s:.0f}s",
+                                0.0)
+                return
+
+
+def _launch_nodes(cases: list[Case], timeout_s: float,
+                  max_gloo_groups: int) -> tuple[list[dict], bool, str]:
+    """One 2-node job over ``cases``: each rank's results, whether it crashed, its log tail."""
     driver = Path(__file__).with_name("node_driver.py")
     with tempfile.TemporaryDirectory(prefix="mp-matrix-") as tmp:
         spec = Path(tmp, "cases.pkl")
@@ -170,33 +210,35 @@ def run_multinode(cases: list[Case], timeout_s: float = 3600) -> Iterator[Outcom
                 agents.append(subprocess.Popen(
                     [sys.executable, "-m", "modelparallel", "run", "--nnodes", "2",
                      "--node-rank", str(node), "--nproc-per-node", "2", "--rdzv-endpoint",
-                     f"127.0.0.1:{port}", str(driver), str(spec), tmp],
+                     f"127.0.0.1:{port}", str(driver), str(spec), tmp, str(max_gloo_groups)],
                     env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         try:
-            for agent in agents:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    agent.wait(timeout=max(1, timeout_s - (time.monotonic() - start)))
+            _wait_agents(agents, deadline=start + timeout_s)
         finally:  # past the limit, or interrupted: the agents and their workers, all of them
             for agent in agents:
                 if agent.poll() is None:
                     os.killpg(agent.pid, signal.SIGKILL)
                     agent.wait()
-        texts = [log.read_text(errors="replace") for log in logs]
+        crashed = any(agent.returncode != 0 for agent in agents)
+        log = "\n".join(log.read_text(errors="replace")[-3000:] for log in logs)
         per_rank = []
         for rank in range(4):
             path = Path(tmp, f"rank{rank}.pkl")
             per_rank.append(pickle.loads(path.read_bytes()) if path.exists() else {})
-        for case in cases:
-            got = [r.get(case.id) for r in per_rank]
-            if any(g is None for g in got):
-                yield judge(case, None, "the 2-node job ended before this case finished:\n"
-                            + "\n".join(text[-3000:] for text in texts), 0.0)
-                continue
-            errors = [(rank, e) for rank, (_, e, _) in enumerate(got) if e is not None]
-            seconds = max(s for _, _, s in got)
-            if errors:
-                text = f"{case.id} failed on 4 ranks:\n" + "\n".join(
-                    f"--- rank {rank} ---\n{e}" for rank, e in errors)
-                yield judge(case, None, text, seconds)
-            else:
-                yield judge(case, [r for r, _, _ in got], None, seconds)
+        return per_rank, crashed, log
+
+
+def _wait_agents(agents: list[subprocess.Popen], deadline: float, grace_s: float = 30) -> None:
+    """Wait until every agent ends, the deadline passes, or ``grace_s`` after one failed.
+
+    The agents of a static rendezvous do not watch each other: when one node's workers die,
+    the other's may wait for them for the 30 minutes of torch's default group-creation
+    timeout, so they get ``grace_s`` to fail on their own.
+    """
+    while time.monotonic() < deadline:
+        codes = [agent.poll() for agent in agents]
+        if all(code is not None for code in codes):
+            return
+        if any(code not in (None, 0) for code in codes):
+            deadline = min(deadline, time.monotonic() + grace_s)
+        time.sleep(0.5)
