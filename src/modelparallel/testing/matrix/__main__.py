@@ -10,13 +10,14 @@ Exit code 0 when every case passed or was refused as expected, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import collections
 import re
 import shlex
 import sys
 import time
 
 from modelparallel.testing.matrix.report import write_report
-from modelparallel.testing.matrix.run import Outcome, run_cases
+from modelparallel.testing.matrix.run import OK_STATUSES, Outcome, run_cases
 from modelparallel.testing.matrix.space import ci_cases, full_cases, regression_cases
 
 
@@ -60,10 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = run_cases(cases, on_outcome=show)
     wall = time.monotonic() - start
     failed = [o for o in outcomes if not o.ok]
+    counts = collections.Counter(o.status for o in outcomes)
     print(f"{len(outcomes)} cases in {wall / 60:.1f} min: "
-          f"{sum(o.status == 'pass' for o in outcomes)} passed, "
-          f"{sum(o.status == 'refused as expected' for o in outcomes)} refused as expected, "
-          f"{len(failed)} failed")
+          + ", ".join(f"{counts[s]} {s}" for s in (*OK_STATUSES, "FAIL")))
     if args.report:
         command = " ".join(["python -m modelparallel.testing.matrix",
                             *map(shlex.quote, argv_used)])

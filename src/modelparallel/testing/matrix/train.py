@@ -60,17 +60,17 @@ def slices(case: Case) -> int:
 def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunResult:
     """One process, the same precision policy: the whole global batch per step, or
     (``sliced``) the batch cut as the parallel run cuts it, one backward per slice.
-    ``exact`` (fp32 cases): the same model and data in float64, the answer every fp32
-    summation order approximates."""
+    ``exact``: the same model and data in float64 with no precision policy, the answer
+    that every precision and summation order approximates."""
     from modelparallel.parallel.precision import HALF, LossScaler, compute_in
 
     model = zoo.build(case.model, case.layers, case.dropout, SEED)
+    half = case.precision != "fp32" and not exact
     if exact:
-        assert case.precision == "fp32", "the float64 answer is for fp32 cases"
         model = model.double()
-    if case.precision != "fp32":
+    if half:
         compute_in(model, HALF[case.precision], zoo.blocks_of(model))
-    scaler = LossScaler(FP16_INIT_SCALE) if case.precision == "fp16" else None
+    scaler = LossScaler(FP16_INIT_SCALE) if half and case.precision == "fp16" else None
     optimizer = sgd(model.parameters())
     loss_fn = zoo.loss_fn(case.model)
     losses = []
@@ -102,20 +102,24 @@ def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunRe
 
 # -- one rank of the parallel run -------------------------------------------------------------
 
-def run_rank(case_dict: dict[str, Any]) -> RunResult:
-    """Train ``case`` on this rank (the default process group exists); gather the result."""
+def run_rank(case_dict: dict[str, Any], exact: bool = False) -> RunResult:
+    """Train ``case`` on this rank (the default process group exists); gather the result.
+    ``exact`` (fp32 cases): the model and data in float64."""
     with quiet():
-        run = PathRun(Case.from_dict(case_dict))
+        run = PathRun(Case.from_dict(case_dict), exact=exact)
         losses = [run.step(x, y) for x, y in zoo.batches(run.case.model, STEPS, run.case.rows)]
         return run.result(losses)
 
 
 class PathRun:
     """A case's model, optimizer (and fp16 loss scaler) on this rank, built the way a
-    script on the case's API path builds them; ``step`` trains on one global batch."""
+    script on the case's API path builds them; ``step`` trains on one global batch.
+    ``exact`` (fp32 cases): the model and data in float64."""
 
-    def __init__(self, case: Case, seed: int = SEED):
+    def __init__(self, case: Case, seed: int = SEED, exact: bool = False):
+        assert not exact or case.precision == "fp32", "float64 replaces fp32 only"
         self.case = case
+        self.exact = exact
         self.mp = mp = _init(case)
         from modelparallel.parallel.precision import LossScaler
 
@@ -125,6 +129,8 @@ class PathRun:
                           seed if case.path == "fsdp1" else seed + mp.dp_rank())
         if case.model == "partial":
             zoo.keep_first_block_whole(model)
+        if exact:
+            model = model.double()
         self.scaler = LossScaler(FP16_INIT_SCALE) if case.precision == "fp16" else None
         self.loss_fn = zoo.loss_fn(case.model)
         self.passes = passes(case)
@@ -144,6 +150,8 @@ class PathRun:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on this rank's rows of the global batch; the global loss."""
         self.optimizer.zero_grad()
+        if self.exact and x.is_floating_point():
+            x = x.double()
         total = 0.0
         for part in range(self.passes):
             rows = _rows(self.case, x, part)
