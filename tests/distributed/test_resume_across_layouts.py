@@ -78,7 +78,7 @@ def test_resume_under_another_layout_continues_the_same_run(workers, tmp_path, p
     resumed = workers(resumed_under.layout.processes).run(
         resume_case, case_dict=resumed_under.as_dict(), path=path)
     uninterrupted = saved[0]["result"]
-    found, _ = compare.problems(resumed_under, [r["result"] for r in resumed], uninterrupted)
+    found, _, _ = compare.problems(resumed_under, [r["result"] for r in resumed], uninterrupted)
     assert not found, "\n".join(found)
     if saved_under.precision == "fp16":
         assert resumed[0]["result"].scaler == uninterrupted.scaler
@@ -93,7 +93,7 @@ def test_without_the_load_the_runs_differ(workers, tmp_path):
     saved = workers(4).run(save_case, case_dict=saved_under.as_dict(),
                            path=str(tmp_path / "ckpt"))[0]["result"]
     fresh = workers(4).run(fresh_case, case_dict=resumed_under.as_dict())
-    found, _ = compare.problems(resumed_under, fresh, saved)
+    found, _, _ = compare.problems(resumed_under, fresh, saved)
     assert found
 
 

@@ -1,0 +1,58 @@
+"""How the parity matrix judges a case's tensors: as accurate as one process, measured
+against the float64 answer; and the float64 rerun that tells round-off from a wrong result."""
+
+import torch
+
+from modelparallel.testing.matrix.compare import NOISE_MARGIN, exact_problems, problems
+from modelparallel.testing.matrix.space import Case, Layout
+from modelparallel.testing.matrix.train import RunResult
+
+CASE = Case(Layout(4, 1, 2, 0), "shard", "gpt", "fp32")
+ANSWER = torch.linspace(-1.0, 1.0, 16, dtype=torch.float64)
+NOISE = torch.linspace(1.0, -1.0, 16, dtype=torch.float64) * 1e-4  # one process's round-off
+
+
+def result(w: torch.Tensor, losses: list[float] | None = None) -> RunResult:
+    return RunResult(losses or [1.0, 0.9], {"w": w.float()}, {"state.w.momentum_buffer": w.float()})
+
+
+def judge(run: torch.Tensor, ranks: int = 2):
+    whole, sliced, exact = result(ANSWER + NOISE), result(ANSWER - NOISE / 2), result(ANSWER)
+    exact = RunResult(exact.losses, {"w": ANSWER}, {"state.w.momentum_buffer": ANSWER})
+    return problems(CASE, [result(run)] * ranks, whole, sliced, exact)
+
+
+def test_a_run_as_accurate_as_one_process_passes_though_it_errs_the_other_way():
+    # 3.5e-4 from the whole-batch reference, more than 3x any distance among the one-process
+    # runs and the answer (1.5e-4), but only 2.5x as far from the answer as one process
+    found, roundoff, _ = judge(ANSWER - 2.5 * NOISE)
+    assert found == [] and roundoff == []
+
+
+def test_a_run_further_from_the_answer_than_round_off_allows_is_set_apart():
+    found, roundoff, _ = judge(ANSWER + 2 * NOISE_MARGIN * NOISE)
+    assert found == []
+    assert len(roundoff) == 2  # the parameter and its momentum
+    assert "from the float64 answer, one process 1.000e-04" in roundoff[0]
+
+
+def test_ranks_that_disagree_are_a_problem_no_rerun_clears():
+    whole, sliced = result(ANSWER + NOISE), result(ANSWER - NOISE)
+    other = result(ANSWER + NOISE / 3)
+    found, _, _ = problems(CASE, [result(ANSWER), other], whole, sliced, result(ANSWER))
+    assert any("rank 1" in f for f in found)
+
+
+def test_the_float64_rerun_must_match_the_answer():
+    exact = RunResult([1.0], {"w": ANSWER, "bias": torch.zeros(4, dtype=torch.float64)},
+                      {"state.w.momentum_buffer": ANSWER})
+    same = RunResult([1.0], {"w": ANSWER.clone(), "bias": torch.full((4,), 1e-20,
+                                                                     dtype=torch.float64)},
+                     {"state.w.momentum_buffer": ANSWER.clone()})
+    # a zero-gradient bias holds only round-off: below one float64 unit of the largest
+    # parameter it is noise
+    assert exact_problems([same, same], exact) == []
+    wrong = RunResult([1.0], {"w": ANSWER * (1 + 1e-8), "bias": exact.params["bias"]},
+                      exact.optimizer)
+    found = exact_problems([same, wrong], exact)
+    assert len(found) == 1 and found[0].startswith("float64 rerun, rank 1: parameter w")
