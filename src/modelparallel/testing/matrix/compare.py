@@ -7,7 +7,12 @@ on the same batch cut the way the parallel run cuts it (data replicas x accumula
 passes x microbatches, one backward per slice), and at least 10 u (3.9e-2 bf16, 4.9e-3
 fp16); the fp16 loss scale must be the same, step for step.
 
-Parameters and optimizer state: as accurate as one process. Each tensor's distance from
+Parameters and optimizer state in bf16 and fp16: 3x the difference between those two
+one-process runs, and at least 10 u, as the losses. This can be tight by coincidence (the
+two can err alike; below): the full matrix has Qwen3 cases past it whose fp32 twins are
+exact in float64, so it is the open question of the half-precision bound (docs/testing.md).
+
+Parameters and optimizer state in fp32: as accurate as one process. Each tensor's distance from
 the float64 answer (the same model and data in float64, no precision policy) may be 3x
 the larger distance of those two one-process runs from it, and at least the loss
 tolerance (each relative to the tensor's largest value). Every op rounds, so runs that
@@ -113,9 +118,16 @@ def problems(case: Case, results: list[RunResult], ref: RunResult | None,
                 continue
             diff, scale = (a - b).abs().max().item(), b.abs().max().item()
             worst = max(worst, max(0.0, diff - floor) / scale if scale else diff)
-            if other is not None and answer is not None and name in other and name in answer:
-                # as accurate as one process: the run's distance from the float64 answer
-                # against the one-process runs' distances from it
+            if other is not None and name in other and case.precision != "fp32":
+                # half precision: 3x the spread of the two one-process runs (see above)
+                noise = (b.double() - other[name].double()).abs().max().item()
+                tol = max(base, NOISE_MARGIN * noise / scale) if scale else base
+                if not diff <= tol * scale + floor:
+                    found.append(f"{what} {name}: max difference {diff:.3e} > {tol} x "
+                                 f"{scale:.3e} + {floor:.1e}")
+            elif other is not None and answer is not None and name in other and name in answer:
+                # fp32: as accurate as one process, the run's distance from the float64
+                # answer against the one-process runs' distances from it
                 truth = answer[name].double()
                 err = (a.double() - truth).abs().max().item()
                 one = max((c.double() - truth).abs().max().item() for c in (b, other[name]))
