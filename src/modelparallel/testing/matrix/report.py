@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from modelparallel.testing.matrix.compare import EXACT_TOLERANCE, NOISE_MARGIN
 from modelparallel.testing.matrix.run import Outcome
 from modelparallel.testing.matrix.space import OTHER_AXES, PATH_DOC
 
@@ -59,8 +60,9 @@ def write_report(path: str, outcomes: list[Outcome], wall_s: float, *, command: 
     rerun = [o for o in outcomes if o.status == "pass (float64 rerun)"]
     if rerun:
         lines += ["Passed on the float64 rerun (fp32 tensors further from the float64 answer "
-                  "than 3x one process's round-off; the case rerun in float64 matched that "
-                  "answer within 1e-10, so what it computes is right):", ""]
+                  f"than {NOISE_MARGIN:g}x one process's round-off; the case rerun in float64 "
+                  f"matched that answer within {EXACT_TOLERANCE:g}, so what it computes is "
+                  "right):", ""]
         lines += [f"- `{o.case.id}`: {o.detail[:300]}" for o in rerun]
         lines.append("")
     lines += ["| case | result | worst | seconds |", "|---|---|---|---|"]
