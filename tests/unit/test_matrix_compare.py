@@ -56,3 +56,26 @@ def test_the_float64_rerun_must_match_the_answer():
                       exact.optimizer)
     found = exact_problems([same, wrong], exact)
     assert len(found) == 1 and found[0].startswith("float64 rerun, rank 1: parameter w")
+
+
+def _judge_half(offset: float):
+    # bf16: one process 5e-2 from the answer (past 10 u = 3.9e-2, so 3x it is the bound)
+    case = Case(Layout(4, 1, 2, 0), "shard", "gpt", "bf16")
+    noise = NOISE * 500
+    whole, sliced = result(ANSWER + noise), result(ANSWER - noise / 2)
+    exact = RunResult([1.0, 0.9], {"w": ANSWER}, {"state.w.momentum_buffer": ANSWER})
+    return problems(case, [result(ANSWER + offset * noise)] * 2, whole, sliced, exact)
+
+
+def test_half_precision_past_one_process_is_set_apart_for_the_float64_rerun():
+    found, roundoff, _ = _judge_half(2.5)
+    assert found == [] and roundoff == []
+    found, roundoff, _ = _judge_half(5.0)  # 5x one process: round-off of more pieces
+    assert found == [] and len(roundoff) == 2
+
+
+def test_half_precision_far_past_one_process_fails_whatever_the_rerun_says():
+    # the float64 rerun cannot see a wrong cast or loss scale: past the cap no rerun clears it
+    found, roundoff, _ = _judge_half(12.0)
+    assert roundoff == [] and len(found) == 2
+    assert "past 10x one process, more than bf16 round-off does" in found[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from modelparallel.testing.matrix.compare import EXACT_TOLERANCE, NOISE_MARGIN
+from modelparallel.testing.matrix.compare import EXACT_TOLERANCE, HALF_CAP, NOISE_MARGIN
 from modelparallel.testing.matrix.run import Outcome
 from modelparallel.testing.matrix.space import OTHER_AXES, PATH_DOC
 
@@ -59,8 +59,9 @@ def write_report(path: str, outcomes: list[Outcome], wall_s: float, *, command: 
         lines.append("")
     rerun = [o for o in outcomes if o.status == "pass (float64 rerun)"]
     if rerun:
-        lines += ["Passed on the float64 rerun (fp32 tensors further from the float64 answer "
-                  f"than {NOISE_MARGIN:g}x one process's round-off; the case rerun in float64 "
+        lines += ["Passed on the float64 rerun (tensors further from the float64 answer than "
+                  f"{NOISE_MARGIN:g}x one process's round-off, in bf16 and fp16 at most "
+                  f"{HALF_CAP:g}x; the case rerun in float64, its precision policy dropped, "
                   f"matched that answer within {EXACT_TOLERANCE:g}, so what it computes is "
                   "right):", ""]
         lines += [f"- `{o.case.id}`: {o.detail[:300]}" for o in rerun]

@@ -28,8 +28,8 @@ from modelparallel.testing.matrix import compare, train
 from modelparallel.testing.matrix.space import Case, expected_refusal
 from modelparallel.testing.workers import WorkerError, WorkerGroup
 
-# "pass (float64 rerun)": an fp32 case further from the float64 answer than the round-off
-# bound allows, whose rerun in float64 then matched that answer (compare.exact_problems)
+# "pass (float64 rerun)": a case further from the float64 answer than the round-off bound
+# allows, whose rerun in float64 then matched that answer (compare.exact_problems)
 OK_STATUSES = ("pass", "pass (float64 rerun)", "refused as expected")
 
 
@@ -50,8 +50,9 @@ def judge(case: Case, results: list[train.RunResult] | None, error: str | None,
           seconds: float,
           rerun_exact: Callable[[], list[train.RunResult]] | None = None) -> Outcome:
     """The outcome of a case from its per-rank results or its error. ``rerun_exact``
-    reruns an fp32 case in float64 (every rank's results) when its tensors are further
-    from the float64 answer than round-off allows: matching the answer there clears it."""
+    reruns the case in float64 (every rank's results; no precision policy) when its
+    tensors are further from the float64 answer than round-off allows: matching the answer
+    there clears it (a half-precision case only up to :data:`compare.HALF_CAP`)."""
     refusal = expected_refusal(case)
     if refusal is not None:
         key, fragment = refusal.key, refusal.fragment
@@ -75,10 +76,9 @@ def judge(case: Case, results: list[train.RunResult] | None, error: str | None,
     if not case.dropout:
         ref = _cached_reference(case)
         sliced = _cached_reference(case, sliced=True)
-        if case.precision == "fp32":  # only fp32 tensors are judged against the answer
-            exact = _cached_reference(case, exact=True)
+        exact = _cached_reference(case, exact=True)
     found, roundoff, worst = compare.problems(case, results, ref, sliced, exact)
-    if roundoff and not found and rerun_exact is not None:  # roundoff: fp32 cases only
+    if roundoff and not found and rerun_exact is not None:
         assert exact is not None
         try:
             found = compare.exact_problems(rerun_exact(), exact)
@@ -175,7 +175,7 @@ def run_multinode(cases: list[Case], timeout_s: float = 3600,
     A job runs cases until its processes hold more than ``max_gloo_groups`` gloo groups
     (see :func:`~modelparallel.testing.workers.gloo_loops`), then stops and the next job
     takes the rest. A job that dies fails the case it was running, and only that one.
-    An fp32 case's float64 rerun (see :func:`judge`) runs on 4 processes of this node:
+    A case's float64 rerun (see :func:`judge`) runs on 4 processes of this node:
     the same layout and collectives, without a relaunch.
     """
     with contextlib.ExitStack() as stack:

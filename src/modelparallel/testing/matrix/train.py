@@ -11,6 +11,7 @@ every rank gathers the full parameters and optimizer state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -104,9 +105,12 @@ def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunRe
 
 def run_rank(case_dict: dict[str, Any], exact: bool = False) -> RunResult:
     """Train ``case`` on this rank (the default process group exists); gather the result.
-    ``exact`` (fp32 cases): the model and data in float64."""
+    ``exact``: the model and data in float64, the case's precision policy dropped (its
+    layout, path and every other axis kept)."""
+    case = Case.from_dict(case_dict)
     with quiet():
-        run = PathRun(Case.from_dict(case_dict), exact=exact)
+        run = PathRun(dataclasses.replace(case, precision="fp32") if exact else case,
+                      exact=exact)
         losses = [run.step(x, y) for x, y in zoo.batches(run.case.model, STEPS, run.case.rows)]
         return run.result(losses)
 
@@ -114,7 +118,8 @@ def run_rank(case_dict: dict[str, Any], exact: bool = False) -> RunResult:
 class PathRun:
     """A case's model, optimizer (and fp16 loss scaler) on this rank, built the way a
     script on the case's API path builds them; ``step`` trains on one global batch.
-    ``exact`` (fp32 cases): the model and data in float64."""
+    ``exact`` (an fp32 case, or a half-precision case turned fp32): the model and data
+    in float64."""
 
     def __init__(self, case: Case, seed: int = SEED, exact: bool = False):
         assert not exact or case.precision == "fp32", "float64 replaces fp32 only"
