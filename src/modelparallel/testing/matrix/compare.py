@@ -99,13 +99,14 @@ def problems(case: Case, results: list[RunResult], ref: RunResult | None,
         return found, roundoff, 0.0
     base = TOLERANCE[case.precision]
     worst = 0.0
-    for step, (a, b) in enumerate(zip(first.losses, ref.losses, strict=False)):
-        rel = abs(a - b) / abs(b)
+    for step, (loss, want_loss) in enumerate(zip(first.losses, ref.losses, strict=False)):
+        rel = abs(loss - want_loss) / abs(want_loss)
         tol = base if sliced is None or case.precision == "fp32" else max(
-            base, NOISE_MARGIN * abs(sliced.losses[step] - b) / abs(b))
+            base, NOISE_MARGIN * abs(sliced.losses[step] - want_loss) / abs(want_loss))
         worst = max(worst, rel)
         if not rel <= tol:
-            found.append(f"step {step}: loss {a:.8f} vs reference {b:.8f} (relative {rel:.2e})")
+            found.append(f"step {step}: loss {loss:.8f} vs reference {want_loss:.8f} "
+                         f"(relative {rel:.2e})")
     if len(first.losses) != len(ref.losses):
         found.append(f"{len(first.losses)} losses vs {len(ref.losses)} in the reference")
     for what, got, want, other, answer in (

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import modelparallel
 from modelparallel.testing.matrix.space import Case
-from modelparallel.testing.matrix.train import run_rank
+from modelparallel.testing.matrix.train import RunResult, run_rank
 from modelparallel.testing.workers import gloo_loops
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     # a case that fails on one rank leaves the others in a collective: give up in 60 s
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    results = {}
+    results: dict[str, tuple[RunResult | None, str | None, float]] = {}
     for case_dict in cases:
         case = Case.from_dict(case_dict)
         start = time.monotonic()

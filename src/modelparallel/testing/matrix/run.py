@@ -194,13 +194,13 @@ def _run_node_jobs(cases: list[Case], timeout_s: float, max_gloo_groups: int,
     deadline = time.monotonic() + timeout_s
     remaining = list(cases)
     while remaining:
-        per_rank, crashed, log = _launch_nodes(remaining, deadline - time.monotonic(),
+        per_rank, crashed, tails = _launch_nodes(remaining, deadline - time.monotonic(),
                                                max_gloo_groups)
         finished = []
         for case in remaining:
-            got = [r.get(case.id) for r in per_rank]
-            if any(g is None for g in got):
+            if any(case.id not in r for r in per_rank):
                 break  # cases run in order: none after this one finished either
+            got = [r[case.id] for r in per_rank]
             finished.append(case)
             errors = [(rank, e) for rank, (_, e, _) in enumerate(got) if e is not None]
             seconds = max(s for _, _, s in got)
@@ -215,7 +215,7 @@ def _run_node_jobs(cases: list[Case], timeout_s: float, max_gloo_groups: int,
         if remaining and (crashed or not finished or time.monotonic() > deadline):
             # the job died (or ran out of time) in this case
             case, remaining = remaining[0], remaining[1:]
-            yield judge(case, None, "the 2-node job ended in this case:\n" + log, 0.0)
+            yield judge(case, None, "the 2-node job ended in this case:\n" + tails, 0.0)
             if time.monotonic() > deadline:
                 for case in remaining:
                     yield judge(case, None, f"not run: the 2-node jobs took over {timeout_s:.0f}s",
@@ -224,7 +224,7 @@ def _run_node_jobs(cases: list[Case], timeout_s: float, max_gloo_groups: int,
 
 
 def _launch_nodes(cases: list[Case], timeout_s: float,
-                  max_gloo_groups: int) -> tuple[list[dict], bool, str]:
+                  max_gloo_groups: int) -> tuple[list[dict[str, tuple]], bool, str]:
     """One 2-node job over ``cases``: each rank's results, whether it crashed, its log tail."""
     driver = Path(__file__).with_name("node_driver.py")
     with tempfile.TemporaryDirectory(prefix="mp-matrix-") as tmp:
@@ -237,8 +237,8 @@ def _launch_nodes(cases: list[Case], timeout_s: float,
         # would fill up and stall the whole job
         logs = [Path(tmp, f"node{node}.log") for node in (0, 1)]
         agents = []
-        for node, log in enumerate(logs):
-            with log.open("w") as out:
+        for node, log_path in enumerate(logs):
+            with log_path.open("w") as out:
                 agents.append(subprocess.Popen(
                     [sys.executable, "-m", "modelparallel", "run", "--nnodes", "2",
                      "--node-rank", str(node), "--nproc-per-node", "2", "--rdzv-endpoint",
@@ -252,12 +252,12 @@ def _launch_nodes(cases: list[Case], timeout_s: float,
                     os.killpg(agent.pid, signal.SIGKILL)
                     agent.wait()
         crashed = any(agent.returncode != 0 for agent in agents)
-        log = "\n".join(log.read_text(errors="replace")[-3000:] for log in logs)
+        tails = "\n".join(path.read_text(errors="replace")[-3000:] for path in logs)
         per_rank = []
         for rank in range(4):
             path = Path(tmp, f"rank{rank}.pkl")
             per_rank.append(pickle.loads(path.read_bytes()) if path.exists() else {})
-        return per_rank, crashed, log
+        return per_rank, crashed, tails
 
 
 def _wait_agents(agents: list[subprocess.Popen], deadline: float, grace_s: float = 30) -> None:
