@@ -16,10 +16,11 @@ def result(w: torch.Tensor, losses: list[float] | None = None) -> RunResult:
     return RunResult(losses or [1.0, 0.9], {"w": w.float()}, {"state.w.momentum_buffer": w.float()})
 
 
-def judge(run: torch.Tensor, ranks: int = 2):
-    whole, sliced, exact = result(ANSWER + NOISE), result(ANSWER - NOISE / 2), result(ANSWER)
-    exact = RunResult(exact.losses, {"w": ANSWER}, {"state.w.momentum_buffer": ANSWER})
-    return problems(CASE, [result(run)] * ranks, whole, sliced, exact)
+def judge(run: torch.Tensor, ranks: int = 2, case: Case = CASE,
+          noise: torch.Tensor = NOISE):
+    whole, sliced = result(ANSWER + noise), result(ANSWER - noise / 2)
+    exact = RunResult(whole.losses, {"w": ANSWER}, {"state.w.momentum_buffer": ANSWER})
+    return problems(case, [result(run)] * ranks, whole, sliced, exact)
 
 
 def test_a_run_as_accurate_as_one_process_passes_though_it_errs_the_other_way():
@@ -60,11 +61,8 @@ def test_the_float64_rerun_must_match_the_answer():
 
 def _judge_half(offset: float):
     # bf16: one process 5e-2 from the answer (past 10 u = 3.9e-2, so 3x it is the bound)
-    case = Case(Layout(4, 1, 2, 0), "shard", "gpt", "bf16")
-    noise = NOISE * 500
-    whole, sliced = result(ANSWER + noise), result(ANSWER - noise / 2)
-    exact = RunResult([1.0, 0.9], {"w": ANSWER}, {"state.w.momentum_buffer": ANSWER})
-    return problems(case, [result(ANSWER + offset * noise)] * 2, whole, sliced, exact)
+    return judge(ANSWER + offset * 500 * NOISE, case=Case(Layout(4, 1, 2, 0), "shard", "gpt",
+                                                         "bf16"), noise=500 * NOISE)
 
 
 def test_half_precision_past_one_process_is_set_apart_for_the_float64_rerun():
