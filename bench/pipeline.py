@@ -55,6 +55,7 @@ from modelparallel.parallel.pipeline.record import (
     gather_events,
     render_grid,
 )
+from modelparallel.smp import registry
 from modelparallel.testing import WorkerGroup
 
 MODEL = {"vocab_size": 256, "max_seq_len": 64, "d_model": 256, "n_layers": 8, "n_heads": 8}
@@ -105,7 +106,7 @@ def _distributed_model(config: dict):
 
 
 def _check_split(model, stages: int) -> None:
-    split = model._split
+    split = model.engine.split
     expected = _starts(stages)
     if split.starts != expected:
         raise RuntimeError(f"split starts {split.starts}, placed {expected}")
@@ -248,7 +249,7 @@ def time_case(steps: int) -> dict:
 
     mp.init(config)  # ours re-initializes for each build; by_hand reads the pp group
     result = compare_steps(ours, by_hand, steps)
-    _check_split(mp.DistributedModel._instance, p)  # the split by hand is the same
+    _check_split(registry.model(), p)  # the split by hand is the same
     return result
 
 

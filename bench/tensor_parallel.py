@@ -39,7 +39,6 @@ import modelparallel as mp
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
 from modelparallel.observe import CollectiveCounter
-from modelparallel.parallel.sharding import data_parallel_mesh
 from modelparallel.testing import WorkerGroup
 
 MODEL = {"vocab_size": 256, "max_seq_len": 64, "d_model": 256, "n_layers": 4, "n_heads": 8}
@@ -120,7 +119,7 @@ def time_case(steps: int, shards: int) -> dict:
     # Both variants' root returns the LM head's gathered logits, a view; FSDP2 warns of it.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     mp.init({**TP_SAME_BATCH, "hybrid_shard_degree": shards})
-    tp_mesh, dp_mesh = mp.state.meshes["tp"], data_parallel_mesh(mp.state)
+    tp_mesh, dp_mesh = mp.state.meshes["tp"], mp.state.context.data_parallel_mesh()
 
     def ours():
         return mp.shard(mp.transform(_model()))

@@ -6,17 +6,30 @@ Scripts written for the SageMaker model parallel library port by changing the im
     import modelparallel as tsm   # was: import torch.sagemaker as tsm
 """
 
-from modelparallel import checkpoint, data, observe
-from modelparallel.api import (
-    DistributedModel,
-    DistributedOptimizer,
-    OutsideStepError,
-    partition,
-    set_partition,
-    step,
+from modelparallel import data, models  # models: registers the built-in TP plans
+from modelparallel.checkpoint import CheckpointError
+from modelparallel.config import Config, ConfigError
+from modelparallel.parallel.activation import set_activation_checkpointing
+from modelparallel.parallel.blocks import find_blocks
+from modelparallel.parallel.clip import clip_grad_norm_
+from modelparallel.parallel.pipeline.microbatch import StepOutput
+from modelparallel.parallel.pipeline.runtime import OutsideStepError
+from modelparallel.parallel.precision import LossScaler
+from modelparallel.parallel.state_dict import full_state_dict, load_full_state_dict
+from modelparallel.parallel.tensor import (
+    TPPlan,
+    loss_parallel,
+    set_tensor_parallelism,
+    tensor_parallelism,
+    tp_register_with_module,
 )
-from modelparallel.checkpoint import CheckpointError, resume_from_checkpoint, save_checkpoint
-from modelparallel.comm import (
+from modelparallel.smp import checkpoints as checkpoint
+from modelparallel.smp import observe
+from modelparallel.smp.appliers import replicate, shard, transform
+from modelparallel.smp.checkpoints import resume_from_checkpoint, save_checkpoint
+from modelparallel.smp.model import DistributedModel, partition, set_partition
+from modelparallel.smp.optimizer import DistributedOptimizer
+from modelparallel.smp.ranks import (
     DP_GROUP,
     MP_GROUP,
     PP_GROUP,
@@ -57,30 +70,12 @@ from modelparallel.comm import (
     tp_rank,
     tp_size,
 )
-from modelparallel.config import Config, ConfigError
-from modelparallel.parallel import (
-    LossScaler,
-    TPPlan,
-    clip_grad_norm_,
-    find_blocks,
-    full_state_dict,
-    load_full_state_dict,
-    loss_parallel,
-    replicate,
-    set_activation_checkpointing,
-    set_tensor_parallelism,
-    shard,
-    tensor_parallelism,
-    tp_register_with_module,
-    transform,
-)
-from modelparallel.state import NotInitializedError, init, reset, state
+from modelparallel.smp.state import NotInitializedError, init, reset, state
+from modelparallel.smp.step import step
 from modelparallel.topology import CommGroup, RankType, Topology
 
 __version__ = "0.1.0"
 
-
-from modelparallel.parallel.pipeline.microbatch import StepOutput
 
 __all__ = [
     "DP_GROUP",
@@ -130,6 +125,7 @@ __all__ = [
     "local_rank",
     "local_size",
     "loss_parallel",
+    "models",
     "mp_barrier",
     "mp_rank",
     "mp_size",

@@ -7,66 +7,25 @@ a bad configuration fails everywhere at once with the same message.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import itertools
 import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
+
+from modelparallel import config_keys
+from modelparallel.config_files import read_config_file, unwrap
+from modelparallel.errors import ConfigError
+from modelparallel.parallel.pipeline import layout
 
 logger = logging.getLogger("modelparallel")
 
 ALIASES = {"partitions": "pipeline_parallel_degree"}
 PLACEMENT_NAMES = {"cluster": "DPT", "spread": "TPD"}
-# SMP v1's names ("simple" = GPipe, "interleaved" = 1F1B), torch's single-stage names,
-# then the multi-stage schedules (several stages per rank): "loop" or "v" placement.
-SINGLE_STAGE_SCHEDULES = ("simple", "interleaved", "gpipe", "1f1b")
-MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": "loop", "looped_bfs": "loop",
-                         "interleaved_zero_bubble": "loop", "zbv_zero_bubble": "v",
-                         "dualpipe_v": "v"}
-PIPELINE_SCHEDULES = (*SINGLE_STAGE_SCHEDULES, *MULTI_STAGE_SCHEDULES)
-# schedules that run a backward for the inputs and a later one for the weights
-SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
+_key = config_keys.key
 
-
-class ConfigError(ValueError):
-    """A configuration problem, found before any process group or collective is used.
-
-    ``problems`` holds one ``(key, message)`` pair per problem; the message of the
-    exception lists them all.
-    """
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        self.problems = problems
-        lines = [f"  - {key}: {msg}" for key, msg in problems]
-        super().__init__("invalid modelparallel configuration:\n" + "\n".join(lines))
-
-    @property
-    def keys(self) -> list[str]:
-        return [key for key, _ in self.problems]
-
-
-def _key(default: Any, doc: str, *, minimum: float | None = None,
-         maximum: float | None = None, choices: tuple | None = None,
-         kind: type | tuple[type, ...] | None = None, no_effect: str | None = None,
-         not_built: str | None = None) -> Any:
-    """Declare one configuration key: its default, meaning and valid range.
-
-    ``no_effect``: why the key, accepted for compatibility, does nothing here (it only
-    tunes mechanics PyTorch handles itself); a value other than the default is logged
-    once on rank 0 with this reason. ``not_built``: why only the default is accepted
-    (a feature not provided yet); any other value is a ConfigError. Every other key
-    does what SMP documents.
-    """
-    for reason in (no_effect, not_built):
-        assert reason is None or (reason.strip() and "\n" not in reason), reason
-    assert not (no_effect and not_built), "a key is either without effect or refused"
-    meta = {"doc": doc, "min": minimum, "max": maximum, "choices": choices,
-            "kind": kind, "no_effect": no_effect, "not_built": not_built}
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -97,7 +56,7 @@ class Config:
                    "the right-most letter varies fastest over ranks")
     # -- pipeline --------------------------------------------------------------------
     microbatches: int = _key(1, "microbatches a batch is split into", minimum=1)
-    pipeline: str = _key("interleaved", "pipeline schedule", choices=PIPELINE_SCHEDULES)
+    pipeline: str = _key("interleaved", "pipeline schedule", choices=layout.PIPELINE_SCHEDULES)
     virtual_stages: int | None = _key(
         None, "pipeline stages each rank holds (multi-stage schedules; default 2 for "
               "those, 1 otherwise)", minimum=1)
@@ -230,7 +189,7 @@ class Config:
                         type(None): "null"}.get(type(launcher), "a number")
                 raise ConfigError([("MP_CONFIG", f"holds {kind}; expected a JSON object "
                                                  f"of keys to values")])
-            launcher = normalise(_unwrap(launcher), origin="MP_CONFIG")
+            launcher = normalise(unwrap(launcher), origin="MP_CONFIG")
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         changed = {k: (script.get(k, defaults[k]), v) for k, v in launcher.items()
                    if script.get(k, defaults[k]) != v}
@@ -281,7 +240,7 @@ class Config:
         """Pipeline stages each rank holds: ``virtual_stages``, or the schedule's default."""
         if self.virtual_stages is not None:
             return self.virtual_stages
-        return 2 if self.pipeline in MULTI_STAGE_SCHEDULES else 1
+        return layout.default_stages_per_rank(self.pipeline)
 
     @property
     def half_precision(self) -> str | None:
@@ -329,15 +288,8 @@ class Config:
                 problems.append((key, f"{degree} does not divide the data-parallel size {dp} "
                                       f"(world size {world_size} / {product} model-parallel "
                                       f"ranks); valid values: {valid}"))
-            elif (self.pipeline_parallel_degree > 1
-                  and self.pipeline in SPLIT_BACKWARD_SCHEDULES
-                  and self.pipeline_shards(dp if degree == 0 else degree)):
-                problems.append(("pipeline", (
-                    f"{self.pipeline!r} computes weight gradients in a separate pass after "
-                    "the input gradients, which FSDP's sharded data parallelism (here over "
-                    f"{dp if degree == 0 else degree} ranks) cannot follow; use "
-                    "'interleaved_1f1b' or 'interleaved', or replicas (ddp=True, or "
-                    "hybrid_shard_degree=1)")))
+            elif self.pipeline_parallel_degree > 1 and self.pipeline_shards(degree or dp):
+                problems += layout.check_sharded_stages(self.pipeline, degree or dp)
         if problems:
             raise ConfigError(problems)
 
@@ -359,7 +311,7 @@ class Config:
     def _check_values(self, warn: bool = True) -> None:
         problems: list[tuple[str, str]] = []
         for f in dataclasses.fields(self):
-            msg = _check_field(f, getattr(self, f.name))
+            msg = config_keys.check_value(f, getattr(self, f.name))
             if msg:
                 problems.append((f.name, msg))
         if problems:  # combinations only make sense on well-typed values
@@ -395,7 +347,10 @@ class Config:
                              f"are 0..{stages - 1} (pipeline_parallel_degree="
                              f"{self.pipeline_parallel_degree} x {self.stages_per_rank} "
                              "stages per rank)"))
-        problems.extend(self._check_schedule())
+        problems.extend(layout.check_schedule(self.pipeline, self.stages_per_rank,
+                                              self.microbatches,
+                                              self.pipeline_parallel_degree,
+                                              self.active_microbatches))
         sdp = self.sharded_data_parallel_degree
         if sdp > 1 and self.hybrid_shard_degree not in (0, sdp):
             problems.append(("sharded_data_parallel_degree",
@@ -409,39 +364,6 @@ class Config:
                                       f"valid value: {default!r}"))
         return problems
 
-    def _check_schedule(self) -> list[tuple[str, str]]:
-        """What torch's schedule classes would reject, said up front in our terms."""
-        name, v, m = self.pipeline, self.stages_per_rank, self.microbatches
-        pp = self.pipeline_parallel_degree
-        style = MULTI_STAGE_SCHEDULES.get(name)
-        if style is None:
-            if v != 1:
-                return [("virtual_stages", f"{v} stages per rank needs a multi-stage schedule; "
-                         f"pipeline={name!r} runs one stage per rank. Use one of "
-                         f"{sorted(MULTI_STAGE_SCHEDULES)}, or drop virtual_stages")]
-            return []
-        problems = []
-        if self.active_microbatches is not None:
-            problems.append(("active_microbatches", f"pipeline={name!r} fixes how many "
-                             "microbatches are in flight itself; active_microbatches is "
-                             "honoured by 'simple' and 'interleaved' only, remove it"))
-        if style == "v" and v != 2:
-            problems.append(("virtual_stages", f"pipeline={name!r} places exactly 2 stages on "
-                             f"each rank (a V: rank r holds stages r and {2 * pp - 1}-r); got "
-                             f"{v}"))
-        if name == "dualpipe_v" and m < pp * v:
-            problems.append(("microbatches", f"pipeline='dualpipe_v' needs at least as many "
-                             f"microbatches as stages ({pp * v}); got {m}"))
-        if name in ("interleaved_1f1b", "interleaved_zero_bubble"):
-            rounds = max(1, m // pp)
-            if m % rounds:
-                problems.append(("microbatches", f"pipeline={name!r} runs the microbatches in "
-                                 f"rounds of pipeline_parallel_degree ({pp}): {m} does not "
-                                 f"split into {rounds} equal rounds; use a multiple of {pp}, "
-                                 f"or fewer than {2 * pp}"))
-        return problems
-
-
 _DEGREE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree",
                 "context_parallel_degree", "expert_parallel_degree")
 
@@ -449,45 +371,11 @@ _DEGREE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree",
 # (declared with ``not_built=`` on the key).
 _NOT_BUILT = {f.name: f.metadata["not_built"] for f in dataclasses.fields(Config)
               if f.metadata["not_built"]}
-# Keys accepted for compatibility that do nothing here, with the reason.
-NO_EFFECT = {f.name: f.metadata["no_effect"] for f in dataclasses.fields(Config)
-             if f.metadata["no_effect"]}
+
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_field(f: dataclasses.Field, value: Any) -> str | None:
-    meta = f.metadata
-    kind = meta["kind"] or _annotation_kind(f)
-    if value is None:
-        return None if f.default is None else f"must not be null; default is {f.default!r}"
-    if isinstance(value, bool) and kind is not bool:
-        return f"{value!r} has type bool; expected {_kind_name(kind)}"
-    if not isinstance(value, kind):
-        return f"{value!r} has type {type(value).__name__}; expected {_kind_name(kind)}"
-    if meta["choices"] and value not in meta["choices"]:
-        valid = ", ".join(repr(c) for c in meta["choices"])
-        return f"{value!r} is not one of {valid}"
-    lo, hi = meta["min"], meta["max"]
-    if lo is not None and value < lo:
-        return f"{value!r} is out of range; must be >= {lo}" + (f" and <= {hi}" if hi else "")
-    if hi is not None and value > hi:
-        return f"{value!r} is out of range; must be <= {hi}" + (
-            f" and >= {lo}" if lo is not None else "")
-    return None
-
-
-def _annotation_kind(f: dataclasses.Field) -> type:
-    name = str(f.type).split("|")[0].strip()
-    return {"int": int, "str": str, "bool": bool, "float": float}[name]
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    if isinstance(kind, tuple):
-        return " or ".join(k.__name__ for k in kind)
-    return kind.__name__
 
 
 def _read_source(source: Any) -> dict[str, Any]:
@@ -496,111 +384,16 @@ def _read_source(source: Any) -> dict[str, Any]:
     if isinstance(source, Config):
         return source.to_dict()
     if isinstance(source, Mapping):
-        return _unwrap(dict(source))
+        return unwrap(dict(source))
     if isinstance(source, (str, os.PathLike)):
-        return _unwrap(read_config_file(source))
+        return unwrap(read_config_file(source))
     raise ConfigError([("configuration", f"cannot read a configuration from a "
                                          f"{type(source).__name__}; pass a dict, a path to "
                                          f"a JSON or YAML file, or None")])
 
 
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a JSON or YAML configuration file (by extension; otherwise JSON, then YAML).
-
-    SageMaker's ``{"enabled": ..., "parameters": {...}}`` wrapper is removed.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError([("configuration", f"file {str(p)!r} does not exist")])
-    text = p.read_text()
-    try:
-        if p.suffix.lower() in (".yaml", ".yml"):
-            data = _yaml_load(text)
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError:
-                if p.suffix.lower() == ".json":
-                    raise
-                data = _yaml_load(text)
-    except Exception as e:
-        raise ConfigError([("configuration", f"cannot parse {str(p)!r}: {e}")]) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError([("configuration", f"{str(p)!r} holds a {type(data).__name__}; "
-                                             f"expected a mapping of keys to values")])
-    return _unwrap(data)
-
-
-def load_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], Config]:
-    """A configuration file on its own (``MP_CONFIG`` ignored): the keys it sets, with
-    aliases resolved, and the checked Config."""
-    explicit = normalise(read_config_file(path), origin=str(path))
-    return explicit, Config.load(explicit, environ={})
-
-
-def _yaml_load(text: str) -> Any:
-    import yaml
-
-    return yaml.safe_load(text)
-
-
-def _unwrap(data: dict[str, Any]) -> dict[str, Any]:
-    """Accept SageMaker's ``{"enabled": True, "parameters": {...}}`` wrapper too."""
-    if set(data) <= {"enabled", "parameters"} and isinstance(data.get("parameters"), dict):
-        return dict(data["parameters"])
-    return data
-
-
-_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Config))
 
 
 def normalise(data: dict[str, Any], origin: str) -> dict[str, Any]:
     """Resolve aliases, reject unknown keys with suggestions, coerce integral floats."""
-    problems = []
-    out: dict[str, Any] = {}
-    given_as: dict[str, str] = {}  # canonical name -> the key it was first given as
-    for key, value in data.items():
-        name = ALIASES.get(key, key)
-        if name not in _FIELD_NAMES:
-            close = difflib.get_close_matches(key, [*_FIELD_NAMES, *ALIASES], n=3, cutoff=0.6)
-            hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else \
-                "see `modelparallel check-config --list` for the valid keys"
-            problems.append((key, f"unknown key in {origin}; {hint}"))
-            continue
-        if name in out and out[name] != value:
-            first = given_as[name]
-            alias = key if key in ALIASES else first
-            problems.append((key, f"{value!r} conflicts with {first}={out[name]!r} "
-                                  f"({alias} is an alias of {name}); set only one"))
-            continue
-        given_as.setdefault(name, key)
-        out[name] = _coerce(name, value)
-    if problems:
-        raise ConfigError(problems)
-    return out
-
-
-def _coerce(name: str, value: Any) -> Any:
-    # JSON writes large integers as 5e8; accept integral floats for integer keys.
-    f = Config.__dataclass_fields__[name]
-    if isinstance(value, float) and value.is_integer() and str(f.type).startswith("int"):
-        return int(value)
-    return value
-
-
-def describe_keys() -> str:
-    """A table of every key with its default and meaning (for ``check-config --list``),
-    one line per key; keys without effect and refused keys say so, and why."""
-    rows = []
-    for f in dataclasses.fields(Config):
-        alias = [a for a, n in ALIASES.items() if n == f.name]
-        name = f.name + (f" (alias: {', '.join(alias)})" if alias else "")
-        row = f"{name:45} default={f.default!r:14} {f.metadata['doc']}"
-        if f.metadata["no_effect"]:
-            row += f" [no effect here: {f.metadata['no_effect']}]"
-        elif f.metadata["not_built"]:
-            row += f" [only the default is accepted: {f.metadata['not_built']}]"
-        rows.append(row)
-    return "\n".join(rows)
+    return config_keys.normalise(data, origin, Config.__dataclass_fields__, ALIASES)

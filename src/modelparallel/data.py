@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.utils.data as tud
 
-from modelparallel.state import state
+from modelparallel.smp.state import state
 from modelparallel.topology import CommGroup
 
 

@@ -31,8 +31,8 @@ from torch.distributed import (  # noqa: F401 - re-exported for ported scripts
 )
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from modelparallel.parallel.replicate import replicate
-from modelparallel.state import init, state
+from modelparallel.smp.appliers import replicate
+from modelparallel.smp.state import init, state
 
 
 def init_process_group(backend: str | None = None, **kwargs) -> None:

@@ -5,7 +5,7 @@ from torch import nn
 
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import Block
-from modelparallel.parallel import find_blocks
+from modelparallel.parallel.blocks import find_blocks
 
 
 def gpt() -> GPT:

@@ -5,6 +5,7 @@ an atomic commit (the checkpoint appears under its name only once complete)."""
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import os
 import time
 from typing import Any
@@ -21,7 +22,7 @@ from modelparallel.checkpoint.storage import (
     reader_for,
     writer_for,
 )
-from modelparallel.state import state
+from modelparallel.context import ParallelContext
 
 
 def _world(process_group) -> bool:
@@ -68,17 +69,19 @@ def on_coordinator(fn, process_group=None, no_dist: bool = False) -> None:
 
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike,
-         storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
+         ctx: ParallelContext | None, storage_writer: StorageWriter | None = None,
+         planner: SavePlanner | None = None,
          process_group: dist.ProcessGroup | None = None, no_dist: bool = False) -> Any:
     """Save ``state_dict`` like ``torch.distributed.checkpoint.save`` (every rank writes
     what it holds), committed atomically: written under a hidden name, renamed to
     ``checkpoint_id`` once every rank has finished. ``checkpoint_id`` is a directory
-    or an fsspec URL. Returns DCP's metadata."""
+    or an fsspec URL. Returns DCP's metadata. ``ctx``: the layout (None before
+    ``mp.init``, for one process)."""
     if storage_writer is not None:  # the caller chose the storage: plain DCP
         return torch_dcp.save(state_dict, storage_writer=storage_writer, planner=planner,
                               process_group=process_group, no_dist=no_dist)
     if _world(process_group) and not no_dist:
-        guard.check_every_rank_calls(f"mp.checkpoint.save({os.fspath(checkpoint_id)!r})")
+        guard.check_every_rank_calls(f"mp.checkpoint.save({os.fspath(checkpoint_id)!r})", ctx)
     location, name = _split(checkpoint_id)
     tmp = temporary_name(name, None if no_dist else process_group)
     metadata = run_dcp(torch_dcp.save, state_dict, storage_writer=writer_for(location.url(tmp)),
@@ -111,13 +114,14 @@ def replace_directory(location: Location, tmp: str, name: str) -> None:
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike,
-         storage_reader: StorageReader | None = None, planner: LoadPlanner | None = None,
+         ctx: ParallelContext | None, storage_reader: StorageReader | None = None,
+         planner: LoadPlanner | None = None,
          process_group: dist.ProcessGroup | None = None, no_dist: bool = False) -> None:
     """Load into ``state_dict`` in place like ``torch.distributed.checkpoint.load``,
     resharding to the layout of its tensors; non-tensor entries are loaded with
     ``torch.load(weights_only=True)``."""
     if _world(process_group) and not no_dist:
-        guard.check_every_rank_calls(f"mp.checkpoint.load({os.fspath(checkpoint_id)!r})")
+        guard.check_every_rank_calls(f"mp.checkpoint.load({os.fspath(checkpoint_id)!r})", ctx)
     run_dcp(torch_dcp.load, state_dict, context=f"reading {os.fspath(checkpoint_id)} failed",
             storage_reader=storage_reader or reader_for(checkpoint_id),
             planner=planner or SafeLoadPlanner(), process_group=process_group, no_dist=no_dist)
@@ -129,7 +133,7 @@ _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike,
-               planner: SavePlanner | None = None,
+               ctx: ParallelContext | None, planner: SavePlanner | None = None,
                process_group: dist.ProcessGroup | None = None) -> concurrent.futures.Future:
     """Like :func:`save`, but return as soon as the state is copied to CPU memory; the
     writing and the commit run in the background. The returned future completes on
@@ -139,14 +143,15 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike,
     with the training's collectives.
     """
     if _world(process_group):
-        guard.check_every_rank_calls(f"mp.checkpoint.async_save({os.fspath(checkpoint_id)!r})")
+        guard.check_every_rank_calls(f"mp.checkpoint.async_save({os.fspath(checkpoint_id)!r})",
+                                     ctx)
     group = process_group
     if dist.is_initialized():
         key = process_group or dist.group.WORLD
         if key not in _async_groups:
             ranks = dist.get_process_group_ranks(key)
             _async_groups[key] = dist.new_group(ranks, backend="gloo",
-                                                timeout=state.collective_timeout)
+                                                timeout=_timeout(ctx))
         group = _async_groups[key]
     location, name = _split(checkpoint_id)
     tmp = temporary_name(name, process_group)
@@ -154,6 +159,11 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike,
                     storage_writer=writer_for(location.url(tmp)), planner=planner,
                     process_group=group)
     return _executor.submit(_finish_async, inner, location, tmp, name, group)
+
+
+def _timeout(ctx: ParallelContext | None) -> datetime.timedelta | None:
+    """The background group's timeout: the configured one (torch's default before init)."""
+    return ctx.collective_timeout if ctx is not None else None
 
 
 def _finish_async(inner: concurrent.futures.Future, location: Location, tmp: str, name: str,

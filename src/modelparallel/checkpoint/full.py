@@ -24,20 +24,18 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 
 def gather(module, optimizer, dm) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full model and (flattened) optimizer state on rank 0; ``{}`` elsewhere."""
-    if dm is None or not dm.partitioned or dm._pp == 1:
+    if dm is None or not dm.partitioned or dm.pipeline_degree == 1:
         model = states.model_state(module, dm, full=True)
         optim = states.optimizer_state(module, optimizer, full=True) if optimizer else {}
         return model, optim
     # pipeline: each stage gathers its part over its data/tensor-parallel ranks, then the
     # stages' parts meet on rank 0
-    from modelparallel.comm import CommGroup, get_process_group
-
     model = dm.state_dict()
     optim = {}
     if optimizer is not None:
         part = states.optimizer_state(module, optimizer, full=True, every_rank=True)
-        parts: list[Any] = [None] * dm._pp
-        dist.all_gather_object(parts, part, group=get_process_group(CommGroup.PP_GROUP))
+        parts: list[Any] = [None] * dm.pipeline_degree
+        dist.all_gather_object(parts, part, group=dm.pipeline_group())
         for p in parts:
             optim.update(p)
     if dist.get_rank() != 0:

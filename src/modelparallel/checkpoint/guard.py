@@ -4,35 +4,24 @@ collective, so a call on some ranks only is an error naming them, not a hang."""
 from __future__ import annotations
 
 import datetime
-import itertools
 
 import torch.distributed as dist
 
 from modelparallel.checkpoint.storage import CheckpointError
-
-_calls = itertools.count()  # this process's collective checkpoint calls since init
-_generation = 0  # mp.init() calls in this process; the same on every rank
+from modelparallel.context import ParallelContext
 
 
-def new_generation() -> None:
-    """Start counting calls afresh (every rank does at ``mp.init``)."""
-    global _calls, _generation
-    _calls = itertools.count()
-    _generation += 1
-
-
-def timeout_s() -> float:
+def timeout_s(ctx: ParallelContext) -> float:
     """How long a rank waits for the others: half the configured ``collective_timeout``,
     so that the ranks that did call report it before the others' next collective (which
     waits the whole timeout) fails with a mere timeout."""
-    from modelparallel.state import state
-
-    return state.require("checkpoints").config.collective_timeout / 2
+    return ctx.config.collective_timeout / 2
 
 
-def check_every_rank_calls(what: str) -> None:
+def check_every_rank_calls(what: str, ctx: ParallelContext | None) -> None:
     """Raise a CheckpointError on the calling ranks unless every rank of the world calls
-    ``what`` (e.g. ``"save_checkpoint(tag='step10')"``) within :func:`timeout_s`.
+    ``what`` (e.g. ``"save_checkpoint(tag='step10')"``) within :func:`timeout_s`. Calls
+    are numbered per ``ctx`` (one ``mp.init()``), alike on every rank.
 
     Uses the default group's key-value store (no collective), so ranks that are busy
     elsewhere cannot make this wait forever.
@@ -42,8 +31,11 @@ def check_every_rank_calls(what: str) -> None:
     # the default store is private API, but it is the only rendezvous every backend has
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
-    timeout = timeout_s()
-    prefix = f"modelparallel/checkpoint-call/{_generation}/{next(_calls)}"
+    if ctx is None:
+        raise RuntimeError(f"modelparallel is not initialized: call mp.init(config) before "
+                           f"{what} on {world} ranks")
+    timeout = timeout_s(ctx)
+    prefix = f"modelparallel/checkpoint-call/{ctx.generation}/{next(ctx.checkpoint_calls)}"
     store.set(f"{prefix}/{rank}", what)
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:

@@ -40,7 +40,7 @@ from modelparallel.checkpoint.storage import (
     reader_for,
     writer_for,
 )
-from modelparallel.state import state
+from modelparallel.context import ParallelContext
 
 logger = logging.getLogger("modelparallel")
 
@@ -56,13 +56,16 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
                     user_content: Any = None, num_kept_partial_checkpoints: int | None = None,
                     translate_if_full: bool = True, *, lr_scheduler: Any = None,
                     data_loader: Any = None, step: int | None = None,
-                    loss_scaler: Any = None) -> None:
+                    loss_scaler: Any = None, ctx: ParallelContext) -> None:
     """Save a resumable checkpoint as ``path/tag`` and make it the newest. Collective.
 
     ``partial=True``: each rank writes what it holds (DCP); loads under any layout.
     ``partial=False``: rank 0 writes the whole model as safetensors (and the optimizer);
-    a Hugging Face model's directory loads with ``from_pretrained``. ``model`` and
-    ``optimizer`` default to the ``DistributedModel`` / ``DistributedOptimizer``.
+    a Hugging Face model's directory loads with ``from_pretrained``. ``model`` (a module
+    or a :class:`~modelparallel.checkpoint.protocol.PartitionedModel`) and ``optimizer``
+    (a torch optimizer or a ``WrappedOptimizer``) are what is saved; the SMP facade's
+    ``mp.save_checkpoint`` defaults them to the ``DistributedModel`` /
+    ``DistributedOptimizer``.
     ``user_content`` (tensors, numbers, strings, lists, dicts) comes back from
     :func:`resume_from_checkpoint`; so do ``lr_scheduler``, ``data_loader`` (its
     position), ``loss_scaler`` (fp16's :class:`~modelparallel.LossScaler`; default: the
@@ -71,10 +74,8 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
     only the newest N checkpoints under ``path``. ``translate_if_full`` is accepted for
     SMP compatibility (names are always the single-device model's).
     """
-    s = state.require("mp.save_checkpoint")
     _check_tag(tag)
-    guard.check_every_rank_calls(f"save_checkpoint({os.fspath(path)!r}, tag={tag!r})")
-    model, optimizer = _defaults(model, optimizer)
+    guard.check_every_rank_calls(f"save_checkpoint({os.fspath(path)!r}, tag={tag!r})", ctx)
     scaler = _scaler(loss_scaler, optimizer)
     module, optim, dm = states.unwrap(model, optimizer)
     small = {"user_content": user_content, "step": step,
@@ -89,7 +90,7 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
     location.write_bytes(states.check_safe("rng", states.rng_state(module)), tmp, "rng",
                          f"rank{rank}.pt")
     manifest = {"format": FORMAT, "tag": tag, "partial": partial, "step": step,
-                "world_size": dist.get_world_size(), "layout": s.topology.describe(),
+                "world_size": dist.get_world_size(), "layout": ctx.topology.describe(),
                 "model": module is not None, "optimizer": optim is not None}
     if partial:
         sd: dict[str, Any] = {}
@@ -127,25 +128,23 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
                            load_optimizer: bool = True, *, model: nn.Module | None = None,
                            optimizer: Any = None, lr_scheduler: Any = None,
                            data_loader: Any = None, loss_scaler: Any = None,
-                           **_smp_options: Any) -> Any:
+                           ctx: ParallelContext, **_smp_options: Any) -> Any:
     """Load ``path/tag`` (default: the newest) and return its ``user_content``. Collective.
 
     A sharded checkpoint loads under any layout (world size, sharding, tensor and
-    pipeline parallelism): each rank reads the pieces it now holds. The model and
-    optimizer default to the ``DistributedModel`` / ``DistributedOptimizer``; for a
-    ``DistributedModel`` that has not been split yet, they are loaded right after the
+    pipeline parallelism): each rank reads the pieces it now holds. A model that has not
+    been split yet (a ``PartitionedModel``) and its optimizer are loaded right after the
     split at the first step (as SMP does). Random generators (and the tensor-parallel
     streams) are restored when the world size is the same; the fp16 loss scale
     (``loss_scaler``, default: the DistributedOptimizer's) always. ``partial`` is
     accepted for SMP compatibility; the checkpoint itself says how it was saved.
     """
-    state.require("mp.resume_from_checkpoint")
-    guard.check_every_rank_calls(f"resume_from_checkpoint({os.fspath(path)!r}, tag={tag!r})")
+    guard.check_every_rank_calls(f"resume_from_checkpoint({os.fspath(path)!r}, tag={tag!r})",
+                                 ctx)
     location = Location(path)
     tag = tag if tag is not None else newest(path, required=True)
     manifest = _manifest(location, tag)
     small = states.load_safe(_read(location, tag, SMALL_STATE))
-    model, optimizer = _defaults(model, optimizer)
     scaler = _scaler(loss_scaler, optimizer)
     if not load_optimizer:
         optimizer = None
@@ -163,8 +162,8 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
             _load_full(location, tag, manifest, small, module, optim, dm, strict)
 
     if module is not None and manifest["model"]:
-        if dm is not None and not dm.partitioned:
-            dm._load_after_partition = load_model_and_optimizer
+        if dm is not None:
+            dm.load_after_partition(load_model_and_optimizer)
         else:
             load_model_and_optimizer()
     if lr_scheduler is not None and small["lr_scheduler"] is not None:
@@ -218,17 +217,6 @@ def committed_tags(location: Location) -> list[str]:
 
 
 # -- helpers -------------------------------------------------------------------------
-def _defaults(model, optimizer):
-    from modelparallel.api import DistributedModel, DistributedOptimizer
-
-    if model is None:
-        model = DistributedModel._instance if DistributedModel._instance is not None and \
-            DistributedModel._instance._config is state.config else None
-    if optimizer is None and model is not None and isinstance(model, DistributedModel):
-        optimizer = DistributedOptimizer._instance
-    return model, optimizer
-
-
 def _check_tag(tag: str) -> None:
     if not isinstance(tag, str) or not tag or "/" in tag or "\\" in tag or \
             tag.startswith(".") or tag == NEWEST:
@@ -299,7 +287,7 @@ def _agree(problem: str | None) -> None:
 
 def _split(dm) -> bool:
     """Whether this rank holds only its pipeline stage's part of the model."""
-    return dm is not None and dm._pp > 1
+    return dm is not None and dm.pipeline_degree > 1
 
 
 def _load_sharded(location: Location, tag: str, module, optim, dm, strict: bool) -> None:

@@ -5,7 +5,7 @@ the single-device model's parameter names, with the optimizer flattened per para
 (``state.<name>.<key>``, ``param_groups.<name>.<key>``): those keys mean the same under
 every layout, which is what lets DCP reshard between layouts and pipeline splits.
 (FSDP1's own sharded state of a tensor-parallel model holds each tp rank's part; here
-those entries are DTensors of the whole parameter, see ``fsdp1.global_state_dict``.)
+those entries are DTensors of the whole parameter, see ``fsdp1_state.global_state_dict``.)
 """
 
 from __future__ import annotations
@@ -27,21 +27,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from modelparallel.checkpoint.protocol import PartitionedModel, WrappedOptimizer
 from modelparallel.checkpoint.storage import CheckpointError
-from modelparallel.parallel import fsdp1
+from modelparallel.parallel import fsdp1_state
 from modelparallel.parallel.placement import is_meta
 from modelparallel.parallel.tensor import rng
 from modelparallel.parallel.tensor.styles import stored_shapes, unfuse
 
 
-def unwrap(model: nn.Module | None, optimizer: Any) -> tuple[nn.Module | None, Any, Any]:
-    """(module to take state from, torch optimizer, DistributedModel or None)."""
-    from modelparallel.api import DistributedModel, DistributedOptimizer
-
-    dm = model if isinstance(model, DistributedModel) else None
-    if isinstance(optimizer, DistributedOptimizer):
-        optimizer._filter()
-        optimizer = optimizer.optimizer
+def unwrap(model: Any, optimizer: Any) -> tuple[nn.Module | None, Any, PartitionedModel | None]:
+    """(module to take state from, torch optimizer, the model's partitioned wrapper or
+    None)."""
+    dm = model if isinstance(model, PartitionedModel) else None
+    if isinstance(optimizer, WrappedOptimizer):
+        optimizer = optimizer.torch_optimizer()
     if optimizer is not None and model is None:
         raise CheckpointError("an optimizer's state is saved by parameter name: pass the "
                               "model too (model=...)")
@@ -69,7 +68,7 @@ def model_state(module: nn.Module, dm: Any = None, *, full: bool = False) -> dic
 def _check_sharded(module: nn.Module) -> None:
     """Raise (on every rank alike, before any collective) when the sharded state of
     ``module`` cannot be keyed by global parameter name."""
-    problem = fsdp1.checkpoint_problem(module)
+    problem = fsdp1_state.checkpoint_problem(module)
     if problem:
         raise CheckpointError(f"cannot checkpoint the sharded state: {problem}")
 
@@ -77,7 +76,7 @@ def _check_sharded(module: nn.Module) -> None:
 def check_loadable(module: nn.Module) -> None:
     """Raise (on every rank alike, before any collective) when a checkpoint cannot be
     loaded into ``module``."""
-    problem = fsdp1.load_problem(module)
+    problem = fsdp1_state.load_problem(module)
     if problem:
         raise CheckpointError(f"cannot load the checkpoint: {problem}")
 
@@ -85,16 +84,16 @@ def check_loadable(module: nn.Module) -> None:
 def _by_global_name(module: nn.Module, sd: dict[str, Any], *,
                     optimizer: bool) -> dict[str, Any]:
     try:
-        return fsdp1.global_state_dict(module, sd, optimizer=optimizer)
-    except fsdp1.UnsupportedCheckpoint as e:
+        return fsdp1_state.global_state_dict(module, sd, optimizer=optimizer)
+    except fsdp1_state.UnsupportedCheckpoint as e:
         raise CheckpointError(f"cannot checkpoint the sharded state: {e}") from e
 
 
 def _by_local_part(module: nn.Module, sd: dict[str, Any], *,
                    optimizer: bool) -> dict[str, Any]:
     try:
-        return fsdp1.local_state_dict(module, sd, optimizer=optimizer)
-    except fsdp1.UnsupportedCheckpoint as e:
+        return fsdp1_state.local_state_dict(module, sd, optimizer=optimizer)
+    except fsdp1_state.UnsupportedCheckpoint as e:
         raise CheckpointError(f"cannot load the sharded state: {e}") from e
 
 

@@ -19,6 +19,8 @@ from typing import Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from modelparallel.jobs.errors import JobError
+
 INPUT_MODES = ("File", "FastFile")
 DISTRIBUTIONS = ("FullyReplicated", "ShardedByKey")
 
@@ -44,8 +46,6 @@ class TrainingInput:
 
 def check_channel(value: Any, where: str) -> TrainingInput:
     """A TrainingInput for ``value`` (a path, URL or TrainingInput) whose source exists."""
-    from modelparallel.jobs.spec import JobError
-
     if isinstance(value, dict):
         try:
             value = TrainingInput(**value)

@@ -20,20 +20,7 @@ import yaml
 
 from modelparallel.config import Config, ConfigError, normalise
 from modelparallel.jobs.channels import TrainingInput, check_channel
-
-
-class JobError(ValueError):
-    """A job cannot be submitted as described; ``problems`` holds ``(field, message)``."""
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        self.problems = problems
-        lines = [f"  - {name}: {msg}" for name, msg in problems]
-        super().__init__("invalid training job:\n" + "\n".join(lines))
-
-    @property
-    def fields(self) -> list[str]:
-        return [name for name, _ in self.problems]
-
+from modelparallel.jobs.errors import JobError
 
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker's job names
 BACKENDS = ("local", "ray", "slurm", "kubernetes")

@@ -4,11 +4,12 @@ submit and follow training ``jobs``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from modelparallel.config import ConfigError, describe_keys, load_config_file
-from modelparallel.launch.run import RunOptions, run
+from modelparallel.config import ALIASES, Config, ConfigError
+from modelparallel.launch.run import RunOptions, load_config_file, run
 from modelparallel.topology import Topology
 
 
@@ -87,3 +88,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"modelparallel run: {e}", file=sys.stderr)
         code = 2
     sys.exit(code)
+
+
+def describe_keys() -> str:
+    """A table of every key with its default and meaning (for ``check-config --list``),
+    one line per key; keys without effect and refused keys say so, and why."""
+    rows = []
+    for f in dataclasses.fields(Config):
+        alias = [a for a, n in ALIASES.items() if n == f.name]
+        name = f.name + (f" (alias: {', '.join(alias)})" if alias else "")
+        row = f"{name:45} default={f.default!r:14} {f.metadata['doc']}"
+        if f.metadata["no_effect"]:
+            row += f" [no effect here: {f.metadata['no_effect']}]"
+        elif f.metadata["not_built"]:
+            row += f" [only the default is accepted: {f.metadata['not_built']}]"
+        rows.append(row)
+    return "\n".join(rows)

@@ -15,13 +15,15 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import elastic_launch
 
-from modelparallel.config import load_config_file
+from modelparallel.config import Config, normalise
+from modelparallel.config_files import read_config_file
 from modelparallel.launch.worker import COLLECTIVE_TIMEOUT
 
 LOOPBACK = "127.0.0.1"
@@ -42,6 +44,13 @@ class RunOptions:
     log_dir: str | None = None
     local_addr: str | None = None  # this node's address for the other nodes (multi-node)
     rdzv_host: bool | None = None  # whether this node hosts the c10d rendezvous store
+
+
+def load_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], Config]:
+    """A configuration file on its own (``MP_CONFIG`` ignored): the keys it sets, with
+    aliases resolved, and the checked Config."""
+    explicit = normalise(read_config_file(path), origin=str(path))
+    return explicit, Config.load(explicit, environ={})
 
 
 def default_nproc_per_node() -> int:

@@ -53,7 +53,7 @@ def is_collective_timeout(error: BaseException | None) -> bool:
 def timeout_hint() -> str:
     """What to do about a collective timeout, with the configured timeout if known."""
     setting = "collective_timeout"
-    state_module = sys.modules.get("modelparallel.state")  # never import torch just for this
+    state_module = sys.modules.get("modelparallel.smp.state")  # never import torch just for this
     config = getattr(getattr(state_module, "state", None), "config", None)
     if config is not None:
         setting += f"={config.collective_timeout:g}s"

@@ -11,12 +11,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from modelparallel.context import ParallelContext
 from modelparallel.observe.collectives import CollectiveCounter
-from modelparallel.state import state
 from modelparallel.topology import CommGroup
 
 
@@ -69,7 +70,8 @@ class StepMetrics:
     """
 
     def __init__(self, *, jsonl: str | Path | None = None, print_every: int = 1,
-                 count_collectives: bool = True, printer: Callable[[str], None] | None = None):
+                 count_collectives: bool = True, printer: Callable[[str], None] | None = None,
+                 context: ParallelContext | None = None):
         # inside a training job, the job records the steps too (MP_METRICS_FILE)
         jsonl = jsonl or os.environ.get("MP_METRICS_FILE")
         self.jsonl = Path(jsonl) if jsonl else None
@@ -78,16 +80,24 @@ class StepMetrics:
         self.printer = printer or (lambda line: print(line, file=sys.stdout, flush=True))
         self.records: list[StepRecord] = []
         self._step = 0
+        self.context = context
+
+    def _context(self) -> ParallelContext:
+        """The layout whose data-parallel ranks the loss is averaged over."""
+        if self.context is None:
+            raise ValueError("StepMetrics needs the layout: use mp.observe.StepMetrics "
+                             "after mp.init(), or pass context=")
+        return self.context
 
     @contextmanager
     def step(self, *, samples: int, tokens: int | None = None) -> Iterator[StepRecord]:
-        s = state.require("mp.observe.StepMetrics")
+        s = self._context()
         self._step += 1
         rec = StepRecord(step=self._step, samples=samples, tokens=tokens)
         cuda = s.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(s.device)
-        counter = CollectiveCounter(s.group_labels) if self.count_collectives else None
+        counter = CollectiveCounter(dict(s.group_labels or {})) if self.count_collectives else None
         start = time.perf_counter()
         if counter is not None:
             with counter:
@@ -97,10 +107,10 @@ class StepMetrics:
         if cuda:
             torch.cuda.synchronize(s.device)
         rec.step_time_s = time.perf_counter() - start
-        self._finish(rec, counter, cuda)
+        self._finish(s, rec, counter, cuda)
 
-    def _finish(self, rec: StepRecord, counter: CollectiveCounter | None, cuda: bool) -> None:
-        s = state
+    def _finish(self, s: ParallelContext, rec: StepRecord, counter: CollectiveCounter | None,
+                cuda: bool) -> None:
         rec.samples_per_s = rec.samples / rec.step_time_s
         if rec.tokens is not None:
             rec.tokens_per_s = rec.tokens / rec.step_time_s
@@ -112,7 +122,7 @@ class StepMetrics:
         if counter is not None:
             rec.comm_bytes, rec.comm_calls = dict(counter.bytes), dict(counter.calls)
         if rec.loss is not None:
-            rec.loss = _mean_over_data_parallel(rec.loss)
+            rec.loss = _mean_over_data_parallel(rec.loss, s)
         self.records.append(rec)
         if s.rank == 0:
             if rec.step % self.print_every == 0 or rec.step == 1:
@@ -123,10 +133,10 @@ class StepMetrics:
                     f.write(json.dumps(asdict(rec)) + "\n")
 
 
-def _mean_over_data_parallel(loss) -> float:
+def _mean_over_data_parallel(loss: Any, s: ParallelContext) -> float:
     value = torch.as_tensor(loss.detach() if isinstance(loss, torch.Tensor) else loss,
-                            dtype=torch.float64, device=state.device).reshape(())
-    group = state.process_group(CommGroup.DP_GROUP)
+                            dtype=torch.float64, device=s.device).reshape(())
+    group = s.process_group(CommGroup.DP_GROUP)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(value, group=group)
         value /= dist.get_world_size(group)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from modelparallel.context import ParallelContext
 from modelparallel.parallel.placement import is_meta
-from modelparallel.state import State
 from modelparallel.topology import CommGroup
 
 
@@ -45,7 +45,7 @@ def broadcast_from_first(tensors: Iterable[torch.Tensor], group: dist.ProcessGro
                 offset += p.numel()
 
 
-def synchronize(model: nn.Module, s: State) -> None:
+def synchronize(model: nn.Module, s: ParallelContext) -> None:
     """Every rank holding a part of ``model`` starts from the value of the first rank
     that holds the same part: tensor-parallel shards over the reduced data-parallel
     group, everything else over the data-parallel group (which includes the
@@ -61,13 +61,13 @@ def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list({id(t): t for t in tensors}.values())
 
 
-def data_parallel_group(s: State, tp_replicas: bool) -> dist.ProcessGroup:
+def data_parallel_group(s: ParallelContext, tp_replicas: bool) -> dist.ProcessGroup:
     """Where replicated gradients are averaged: the reduced data-parallel group, or the
     whole data-parallel group when the tensor-parallel ranks are replicas too."""
     return s.process_group(CommGroup.DP_GROUP if tp_replicas else CommGroup.RDP_GROUP)
 
 
-def average_over_tp(s: State) -> Callable[[torch.Tensor], None]:
+def average_over_tp(s: ParallelContext) -> Callable[[torch.Tensor], None]:
     """FSDP2 all-reduce hook: after FSDP's average over the data-parallel mesh, average
     the reduced gradient over the tensor-parallel ranks too (replicas of a whole model)."""
     group = s.process_group(CommGroup.TP_GROUP)

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_dtensors
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from modelparallel.config import ConfigError
+from modelparallel.context import ParallelContext
 from modelparallel.parallel import replicas
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.precision import HALF, compute_in, require_loss_scaling
 from modelparallel.parallel.sharding import say_what_does_not_apply
 from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
-from modelparallel.state import State, state
 
 
-def replicate(model: nn.Module, **ddp_kwargs) -> nn.Module:
+def replicate(model: nn.Module, ctx: ParallelContext, **ddp_kwargs: Any) -> nn.Module:
     """Replicate ``model`` over the reduced data-parallel group (same stage, same TP shard);
     gradients are averaged over it after every backward.
 
@@ -31,7 +33,7 @@ def replicate(model: nn.Module, **ddp_kwargs) -> nn.Module:
     compute in that type with float32 parameters and gradients (with ``fp16``, scale
     the loss with :class:`mp.LossScaler`).
     """
-    s = state.require("mp.replicate()")
+    s = ctx
     _check_replicated_layout(s)
     say_what_does_not_apply(s, "mp.replicate()")
     blocks = find_blocks(model)
@@ -57,7 +59,7 @@ def replicate(model: nn.Module, **ddp_kwargs) -> nn.Module:
     return DistributedDataParallel(model, **ddp_kwargs)
 
 
-def _check_replicated_layout(s: State) -> None:
+def _check_replicated_layout(s: ParallelContext) -> None:
     """Replicating where the configuration asks for sharding is refused, not ignored."""
     c = s.config
     if c.sharded_data_parallel_degree > 1:

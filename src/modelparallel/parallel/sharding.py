@@ -9,20 +9,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from modelparallel.config import Config
+from modelparallel.context import ParallelContext
 from modelparallel.parallel import replicas
 from modelparallel.parallel.blocks import BlockSpec, find_blocks
 from modelparallel.parallel.precision import HALF, require_loss_scaling
 from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
-from modelparallel.state import State, state
 
 logger = logging.getLogger("modelparallel")
-
-
-def data_parallel_mesh(s: State):
-    """The mesh FSDP works on: ``dp_shard`` alone, or ``(dp_replicate, dp_shard)`` for HSDP."""
-    if s.topology.dp_replicate == 1:
-        return s.meshes["dp_shard"]
-    return s.mesh["dp_replicate", "dp_shard"]
 
 
 def mixed_precision_policy(config: Config) -> MixedPrecisionPolicy:
@@ -33,7 +26,7 @@ def mixed_precision_policy(config: Config) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=HALF[half], reduce_dtype=torch.float32)
 
 
-def fully_shard_units(units: list[nn.Module | list[nn.Module]], s: State, *,
+def fully_shard_units(units: list[nn.Module | list[nn.Module]], s: ParallelContext, *,
                       tp_replicas: bool, **fully_shard_kwargs) -> None:
     """``fully_shard`` each unit (a module, or modules sharing parameters) in order on the
     data-parallel mesh with the config's precision policy. When the tensor-parallel
@@ -41,13 +34,14 @@ def fully_shard_units(units: list[nn.Module | list[nn.Module]], s: State, *,
     fully_shard_kwargs.setdefault("mp_policy", mixed_precision_policy(s.config))
     hook = replicas.average_over_tp(s) if tp_replicas else None
     for unit in units:
-        sharded = fully_shard(unit, mesh=data_parallel_mesh(s), **fully_shard_kwargs)
+        sharded = fully_shard(unit, mesh=s.data_parallel_mesh(), **fully_shard_kwargs)
         if hook is not None:
             assert isinstance(sharded, FSDPModule)
             sharded.set_all_reduce_hook(hook)
 
 
-def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: bool | None = None,
+def shard(model: nn.Module, ctx: ParallelContext, *, blocks: BlockSpec = None,
+          reshard_after_forward: bool | None = None,
           mp_policy: MixedPrecisionPolicy | None = None, **fully_shard_kwargs) -> nn.Module:
     """Shard ``model`` with FSDP2 following ``hybrid_shard_degree``; returns the model.
 
@@ -63,7 +57,7 @@ def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: 
     the loss with :class:`mp.LossScaler`. A model tensor parallelism did not split is
     trained by the tensor-parallel ranks as data-parallel replicas.
     """
-    s = state.require("mp.shard()")
+    s = ctx
     say_what_does_not_apply(s)
     replicas.synchronize(model, s)
     units = find_blocks(model, blocks)
@@ -80,7 +74,7 @@ def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: 
     return model
 
 
-def say_what_does_not_apply(s: State, call: str = "mp.shard()") -> None:
+def say_what_does_not_apply(s: ParallelContext, call: str = "mp.shard()") -> None:
     """One line each for keys that do nothing under mp.shard / mp.replicate (rank 0)."""
     if s.rank != 0:
         return

@@ -14,18 +14,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from modelparallel.context import ParallelContext
 from modelparallel.parallel import replicas
 from modelparallel.parallel.activation import apply_activation_checkpointing
 from modelparallel.parallel.placement import to_device
 from modelparallel.parallel.sharding import fully_shard_units
 from modelparallel.parallel.tensor.transform import tied_groups, tp_ranks_are_replicas, transform
-from modelparallel.state import State
-
-
-def shards_data_parallel(s: State) -> bool:
-    """FSDP over the data-parallel ranks, or (False) replicas that all-reduce gradients
-    (``Config.pipeline_shards``)."""
-    return s.config.pipeline_shards(s.topology.dp_shard)
 
 
 @dataclass
@@ -36,7 +30,7 @@ class Parallelized:
     tp_replicas: bool   # the tensor-parallel ranks hold the model whole: they are replicas
 
 
-def parallelize(model: nn.Module, units: list[str], s: State) -> Parallelized:
+def parallelize(model: nn.Module, units: list[str], s: ParallelContext) -> Parallelized:
     """Start every replica from the first data-parallel rank's values, then tensor
     parallelism per the model's plans, activation checkpointing of the marked modules,
     the precision policy, and one FSDP unit per module path in ``units`` (``""`` = the
@@ -45,10 +39,10 @@ def parallelize(model: nn.Module, units: list[str], s: State) -> Parallelized:
     tied = tied_groups(model)
     to_device(model, s.device)  # SMP v1 places each stage on its rank's device
     replicas.synchronize(model, s)  # SMP v1 broadcasts from data-parallel rank 0
-    transform(model)
+    transform(model, s)
     tp_replicas = tp_ranks_are_replicas(model, s.topology.tp)
     apply_activation_checkpointing(model)
-    if not shards_data_parallel(s):
+    if not s.shards_pipeline_stages:
         return Parallelized(set(), tp_replicas)
     modules = [model.get_submodule(path) for path in units]
     units_of_tied = [group if len(group) > 1 else group[0] for group in _merge_tied(modules)]

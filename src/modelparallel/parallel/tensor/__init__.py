@@ -1,8 +1,8 @@
-"""Tensor parallelism: plans per module class, applied with DTensor (see transform())."""
+"""Tensor parallelism: plans per module class, applied with DTensor by
+``transform.transform``."""
 
 from torch.distributed.tensor.parallel import loss_parallel
 
-from modelparallel.parallel.tensor import architectures  # noqa: F401  (registers built-in plans)
 from modelparallel.parallel.tensor.plans import (
     REPLICATED,
     SHARDED,
@@ -12,7 +12,7 @@ from modelparallel.parallel.tensor.plans import (
     tensor_parallelism,
     tp_register_with_module,
 )
-from modelparallel.parallel.tensor.transform import UnsplitModelWarning, transform
+from modelparallel.parallel.tensor.transform import UnsplitModelWarning
 
 __all__ = ["REPLICATED", "SHARDED", "TPOptions", "TPPlan", "UnsplitModelWarning", "loss_parallel",
-           "set_tensor_parallelism", "tensor_parallelism", "tp_register_with_module", "transform"]
+           "set_tensor_parallelism", "tensor_parallelism", "tp_register_with_module"]

@@ -3,7 +3,7 @@
 A plan belongs to a module class. ``transform()`` walks a model, asks the registry
 for the plan of every module it meets, checks all sizes against the degree, then
 applies the plans with DTensor's ``parallelize_module``. Built-in plans cover the
-reference models and several Hugging Face architectures (``architectures.py``);
+reference models and several Hugging Face architectures (``models/plans.py``);
 users add their own with SMP v1's calls, defined here.
 """
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from modelparallel.config import ConfigError
+from modelparallel.context import ParallelContext
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.placement import to_device
 from modelparallel.parallel.precision import HALF, compute_in, require_loss_scaling
@@ -19,7 +20,6 @@ from modelparallel.parallel.replicas import broadcast_from_first
 from modelparallel.parallel.tensor import batch, rng
 from modelparallel.parallel.tensor.plans import TPOptions, TPPlan, marked, plan_for
 from modelparallel.parallel.tensor.regions import SplitRegions
-from modelparallel.state import state
 from modelparallel.topology import CommGroup
 
 
@@ -34,7 +34,7 @@ class _Found:
     plan: TPPlan
 
 
-def transform(model: nn.Module, *, sequence_parallel: bool = False,
+def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool = False,
               loss_parallel: bool = False, device: torch.device | str | None = None,
               dtype: torch.dtype | None = None) -> nn.Module:
     """Split ``model`` over the tensor-parallel ranks (SMP v2's ``tsm.transform``).
@@ -68,7 +68,7 @@ def transform(model: nn.Module, *, sequence_parallel: bool = False,
     With ``tensor_parallel_degree`` 1 nothing is split. Apply data parallelism
     afterwards (``mp.shard``, FSDP1, ``mp.replicate``).
     """
-    s = state.require("mp.transform()")
+    s = ctx
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
     half = s.config.half_precision

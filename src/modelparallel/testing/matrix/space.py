@@ -23,6 +23,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from modelparallel.parallel.pipeline.layout import (
+    MULTI_STAGE_SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    check_schedule,
+)
 from modelparallel.testing.matrix.zoo import MODELS, TIED_MODELS
 
 WORLDS: tuple[int | str, ...] = (1, 2, 4, 8, "2x2")
@@ -35,12 +40,10 @@ PATH_DOC = {
     "smddp": "modelparallel.dataparallel (SMDDP's DistributedDataParallel)",
 }
 PLACEMENTS = ("cluster", "spread", "PDT", "PTD", "DTP", "TDP")
-# schedule -> virtual stages it runs with (per pipeline degree where it differs)
-SCHEDULES = ("simple", "interleaved", "interleaved_1f1b", "looped_bfs",
-             "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
-LOOP_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
-V_SCHEDULES = ("zbv_zero_bubble", "dualpipe_v")
-SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
+# SMP's schedule names (gpipe and 1f1b are aliases of the first two), then the multi-stage
+SCHEDULES = ("simple", "interleaved", *MULTI_STAGE_SCHEDULES)
+LOOP_SCHEDULES = tuple(n for n, style in MULTI_STAGE_SCHEDULES.items() if style == "loop")
+V_SCHEDULES = tuple(n for n, style in MULTI_STAGE_SCHEDULES.items() if style == "v")
 
 OTHER_AXES: dict[str, tuple[Any, ...]] = {
     "model": MODELS,
@@ -217,26 +220,18 @@ def allowed(layout: Layout, path: str, axis: str) -> tuple[Any, ...]:
         if path != "v1":
             return (1,)
         ok = tuple(m for m in values if schedule_accepts(layout, m))
-        return ok or (_smallest_microbatches(layout),)
+        return ok or (next(m for m in (8, 16, 32) if schedule_accepts(layout, m)),)
     if axis == "ddp" and path != "v1":
         return (False,)
     return values
 
 
 def schedule_accepts(layout: Layout, m: int) -> bool:
-    """Whether the pipeline schedule runs ``m`` microbatches (the rules torch's schedule
-    classes enforce, written from their documentation)."""
-    pp, v, name = layout.pp, layout.virtual_stages, layout.schedule
-    if name == "dualpipe_v" and m < pp * v:
-        return False
-    if name in ("interleaved_1f1b", "interleaved_zero_bubble"):
-        rounds = max(1, m // pp)
-        return m % rounds == 0
-    return True
-
-
-def _smallest_microbatches(layout: Layout) -> int:
-    return next(m for m in (8, 16, 32) if schedule_accepts(layout, m))
+    """Whether the pipeline schedule runs ``m`` microbatches (the configuration's rules)."""
+    if layout.schedule is None:
+        return True
+    problems = check_schedule(layout.schedule, layout.virtual_stages, m, layout.pp, None)
+    return not any(key == "microbatches" for key, _ in problems)
 
 
 @dataclass(frozen=True)
@@ -256,7 +251,7 @@ def expected_refusal(case: Case) -> Refusal | None:
     if case.path in ("ddp", "smddp") and lay.hsd >= 2:
         return Refusal("hybrid_shard_degree", "replicates; use mp.shard()", by_config=False)
     shards = lay.dp_shard > 1 and (not case.ddp or lay.hsd >= 2)
-    if lay.schedule in SPLIT_BACKWARD and shards:
+    if lay.schedule in SPLIT_BACKWARD_SCHEDULES and shards:
         return Refusal("pipeline", "computes weight gradients in a separate pass",
                        by_config=True)
     if case.path == "fsdp1":  # what torch's FSDP1 cannot follow (parallel/fsdp1_limits.py)

@@ -273,11 +273,11 @@ def _v1_step(mp, loss_fn, n: int):
 
 def _v1_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
     from modelparallel.checkpoint import states
-    from modelparallel.comm import PP_GROUP, get_process_group
+    from modelparallel.smp.ranks import PP_GROUP, get_process_group
 
     optimizer._filter()
     part = states.optimizer_state(model.module, optimizer.optimizer, full=True, every_rank=True)
-    parts: list[Any] = [None] * model._pp
+    parts: list[Any] = [None] * model.pipeline_degree
     dist.all_gather_object(parts, part, group=get_process_group(PP_GROUP))
     full = {}
     for p in parts:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from modelparallel.state import state
+from modelparallel.smp.state import state
 from modelparallel.topology import CommGroup, RankType
 
 WORLD = CommGroup.WORLD

@@ -1,4 +1,7 @@
-"""Built-in tensor-parallel plans for the reference models and Hugging Face families.
+"""The tensor-parallel plans of the reference models and of Hugging Face families.
+
+Models own their plans: they are registered here (imported with ``modelparallel``),
+and ``parallel/tensor`` applies whatever is registered without knowing any model.
 
 Megatron's layout throughout: attention splits by heads (q/k/v column-parallel, the
 output projection row-parallel), MLPs column-then-row, embeddings vocabulary-parallel,
@@ -19,32 +22,9 @@ from torch.distributed.tensor.parallel import (
 
 from modelparallel.models.gpt import GPT, Block
 from modelparallel.models.vit import ViT
+from modelparallel.parallel.tensor.layouts import lm_head, shared_input, vocab_embedding
 from modelparallel.parallel.tensor.plans import REPLICATED, SHARDED, TPOptions, TPPlan, builtin
 from modelparallel.parallel.tensor.styles import ColwiseConv1D, FusedColwiseConv1D, RowwiseConv1D
-
-
-def vocab_embedding(o: TPOptions) -> RowwiseParallel:
-    """Embedding rows (the vocabulary) split over ranks; the output is summed."""
-    return RowwiseParallel(input_layouts=Replicate(),
-                           output_layouts=Shard(1) if o.sequence_parallel else Replicate(),
-                           use_local_output=not o.sequence_parallel)
-
-
-def lm_head(o: TPOptions) -> ColwiseParallel:
-    """Column-parallel LM head; with ``loss_parallel`` its logits stay vocabulary-sharded."""
-    return ColwiseParallel(input_layouts=Shard(1) if o.sequence_parallel else Replicate(),
-                           output_layouts=Shard(-1) if o.loss_parallel else Replicate(),
-                           use_local_output=not o.loss_parallel)
-
-
-def shared_input(**kwarg_names: None) -> PrepareModuleInput:
-    """One DTensor input for layers that read the same activation (q, k and v): their
-    input gradients add up first and are all-reduced once, not once per layer."""
-    if kwarg_names:  # the module is called with keyword arguments (Hugging Face)
-        layouts = {name: Replicate() for name in kwarg_names}
-        return PrepareModuleInput(input_kwarg_layouts=layouts, desired_input_kwarg_layouts=layouts)
-    return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
-
 
 # -- the reference models (modelparallel.models) --------------------------------------
 

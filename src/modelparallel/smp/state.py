@@ -1,18 +1,24 @@
-"""The one process-wide State that ``init()`` fills and ``reset()`` clears."""
+"""The one process-wide State that ``init()`` fills and ``reset()`` clears.
+
+Only the SMP facade reads it: ``init()`` builds a
+:class:`~modelparallel.context.ParallelContext` and every core applier is handed that
+context as an argument.
+"""
 
 from __future__ import annotations
 
 import datetime
 import logging
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from modelparallel.config import Config, ConfigError
-from modelparallel.topology import GROUP_DIMS, CommGroup, Topology, build_mesh
+from modelparallel.context import ParallelContext
+from modelparallel.smp import fsdp1_hook
+from modelparallel.topology import CommGroup, Topology, build_mesh
 
 logger = logging.getLogger("modelparallel")
 
@@ -23,42 +29,83 @@ class NotInitializedError(RuntimeError):
                          f"using {what}")
 
 
-@dataclass
 class State:
-    """What ``init()`` set up: the config, the topology, the mesh and the groups."""
+    """What ``init()`` set up (``mp.state``): the context, and its parts by name (the
+    config, the topology, the mesh, the 1-D meshes per dim and SMP group, the device)."""
 
-    config: Config | None = None
-    topology: Topology | None = None
-    mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh, the root
-    meshes: dict[str, Any] = field(default_factory=dict)  # 1-D mesh per dim and SMP group
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    rank: int = 0
-    local_rank: int = 0
-    local_size: int = 1
-    group_labels: dict[str, str] = field(default_factory=dict)  # pg name -> our label
+    def __init__(self) -> None:
+        self._context: ParallelContext | None = None
+        self.generation = 0  # counts init() calls
+        self.objects: dict[str, Any] = {}  # made under this init (smp.registry)
 
     @property
     def initialized(self) -> bool:
-        return self.config is not None
+        return self._context is not None
+
+    @property
+    def context(self) -> ParallelContext:
+        """The :class:`ParallelContext` of the current ``init()``."""
+        return self.require().context_or_none()  # type: ignore[return-value]
+
+    def context_or_none(self) -> ParallelContext | None:
+        return self._context
+
+    def require(self, what: str = "this") -> State:
+        if self._context is None:
+            raise NotInitializedError(what)
+        return self
+
+    def set(self, context: ParallelContext | None) -> None:
+        self._context = context
+        self.objects = {}
+        if context is not None:
+            self.generation = context.generation
+
+    # the context's parts, as mp.state has always named them (None before init)
+    @property
+    def config(self) -> Config | None:
+        return self._context.config if self._context else None
+
+    @property
+    def topology(self) -> Topology | None:
+        return self._context.topology if self._context else None
+
+    @property
+    def mesh(self) -> Any:
+        return self._context.mesh if self._context else None
+
+    @property
+    def meshes(self) -> dict[str, Any]:
+        return dict(self._context.meshes) if self._context else {}
+
+    @property
+    def device(self) -> torch.device:
+        return self._context.device if self._context else torch.device("cpu")
+
+    @property
+    def rank(self) -> int:
+        return self._context.rank if self._context else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self._context.local_rank if self._context else 0
+
+    @property
+    def local_size(self) -> int:
+        return self._context.local_size if self._context else 1
+
+    @property
+    def group_labels(self) -> dict[str, str]:
+        return dict(self._context.group_labels or {}) if self._context else {}
 
     @property
     def collective_timeout(self) -> datetime.timedelta:
         """The configured ``collective_timeout``, for process groups made after init."""
-        return datetime.timedelta(seconds=self.require("collective_timeout").config
-                                  .collective_timeout)
-
-    def require(self, what: str = "this") -> State:
-        if not self.initialized:
-            raise NotInitializedError(what)
-        return self
+        return self.context.collective_timeout
 
     def process_group(self, group: CommGroup) -> dist.ProcessGroup:
         """The torch ProcessGroup of this rank for an SMP group."""
-        self.require(f"{group.name}")
-        if group is CommGroup.WORLD:
-            return dist.group.WORLD
-        dims = GROUP_DIMS[group]
-        return self.meshes[dims[0] if len(dims) == 1 else group.value].get_group()
+        return self.require(f"{group.name}").context.process_group(group)
 
 
 state = State()
@@ -100,18 +147,12 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     mesh, meshes = _mesh_for(topology, device.type)
     timeout, default_too = _group_timeout(cfg, timeout, device.type)
     _set_timeouts(timeout, mesh, meshes, default_too)
-    state.config, state.topology, state.device = cfg, topology, device
-    state.mesh, state.meshes = mesh, meshes
-    state.rank = dist.get_rank()
-    state.local_rank = local_rank
-    state.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    state.group_labels = _label_groups(meshes)
-    from modelparallel.parallel import fsdp1  # FSDP1 scripts follow hybrid_shard_degree
-
-    fsdp1.install()
-    from modelparallel.checkpoint import guard  # checkpoint calls counted afresh per init
-
-    guard.new_generation()
+    state.set(ParallelContext(
+        config=cfg, topology=topology, mesh=mesh, meshes=meshes, device=device,
+        rank=dist.get_rank(), local_rank=local_rank,
+        local_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+        group_labels=_label_groups(meshes), generation=state.generation + 1))
+    fsdp1_hook.install(state)  # unchanged FSDP1 scripts follow hybrid_shard_degree
     if state.rank == 0:
         logger.info("modelparallel initialized: %s", topology.describe())
     return state
@@ -208,4 +249,4 @@ def reset() -> None:
     (DTensor caches keep references to meshes, so destroying and re-creating an
     identical mesh would leave those references pointing at dead groups).
     """
-    state.__init__()
+    state.set(None)

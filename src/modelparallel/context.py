@@ -1,0 +1,73 @@
+"""ParallelContext: everything the appliers need to know about this rank's layout.
+
+``mp.init()`` makes one from the validated :class:`~modelparallel.config.Config` and
+the device mesh; every applier (tensor parallelism, FSDP, the pipeline engine,
+checkpoints, metrics) takes it as an argument. It is frozen: a layout does not change
+while a model trains. Nothing in the core reads process-wide state; the SMP facade
+(:mod:`modelparallel.smp`) holds the one context a SageMaker script expects.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from modelparallel.config import Config
+from modelparallel.topology import GROUP_DIMS, CommGroup, Topology
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelContext:
+    """This rank's place in the layout: config, topology, mesh, groups and device."""
+
+    config: Config
+    topology: Topology
+    mesh: DeviceMesh  # the root mesh, dims pp x dp_replicate x dp_shard x tp
+    meshes: Mapping[str, DeviceMesh]  # a 1-D mesh per dim and per SMP group
+    device: torch.device
+    rank: int
+    local_rank: int = 0
+    local_size: int = 1
+    group_labels: Mapping[str, str] | None = None  # process group name -> our label
+    generation: int = 0  # which mp.init() of this process (the same on every rank)
+    # numbers this context's collective checkpoint calls, alike on every rank
+    checkpoint_calls: Iterator[int] = field(default_factory=itertools.count, repr=False)
+
+    @property
+    def collective_timeout(self) -> datetime.timedelta:
+        """The configured ``collective_timeout``, for process groups made after init."""
+        return datetime.timedelta(seconds=self.config.collective_timeout)
+
+    def coordinate(self, dim: str) -> int:
+        """This rank's index on a mesh dim (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``)."""
+        return self.topology.coordinate(self.rank)[dim]
+
+    def process_group(self, group: CommGroup) -> dist.ProcessGroup:
+        """The torch ProcessGroup of this rank for an SMP group."""
+        if group is CommGroup.WORLD:
+            world = dist.group.WORLD
+            assert world is not None, "the default process group is gone"
+            return world
+        dims = GROUP_DIMS[group]
+        return self.meshes[dims[0] if len(dims) == 1 else group.value].get_group()
+
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """The mesh FSDP works on: ``dp_shard`` alone, or ``(dp_replicate, dp_shard)``."""
+        if self.topology.dp_replicate == 1:
+            return self.meshes["dp_shard"]
+        return self.mesh["dp_replicate", "dp_shard"]
+
+    @property
+    def shards_pipeline_stages(self) -> bool:
+        """FSDP over the data-parallel ranks of a DistributedModel, or (False) replicas
+        that all-reduce gradients (``Config.pipeline_shards``)."""
+        return self.config.pipeline_shards(self.topology.dp_shard)

@@ -1,0 +1,277 @@
+"""PipelineEngine: runs one training or evaluation step of a model split into stages.
+
+At the first step (as SMP v1): without a pipeline the model is parallelized whole
+(its repeated blocks and the root as FSDP units); with ``pipeline_parallel_degree`` > 1
+one microbatch is traced, the layers are balanced over the stages (or placed by
+``mp.partition`` / ``mp.set_partition``: :data:`PARTITION_ATTR`), every rank keeps only
+its stages' parameters, and :func:`compose.parallelize` applies tensor parallelism,
+activation checkpointing, the precision policy and data parallelism to what it holds.
+Then every step runs its microbatches through a :class:`StageRunner` on the configured
+schedule, and :class:`GradientSync` reduces the gradients.
+
+The SMP facade's ``DistributedModel`` adapts this engine to SMP's names; the engine
+knows nothing of process state: it is given the :class:`ParallelContext`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from modelparallel.context import ParallelContext
+from modelparallel.parallel.blocks import find_blocks
+from modelparallel.parallel.pipeline import compose, cut, schedules
+from modelparallel.parallel.pipeline import partition as balancing
+from modelparallel.parallel.pipeline.gradients import GradientSync, shared_parameters
+from modelparallel.parallel.pipeline.record import Event, ScheduleRecorder
+from modelparallel.parallel.pipeline.runtime import Microbatch, StageRunner
+from modelparallel.parallel.placement import is_meta
+from modelparallel.parallel.precision import HALF
+from modelparallel.topology import CommGroup
+
+PARTITION_ATTR = "_mp_partition"  # a module's pipeline stage, set by mp.partition
+
+
+class PipelineEngine:
+    """Partitions ``module`` at the first step and runs every step after it.
+
+    ``loss_scale()`` gives the factor a microbatch's loss is multiplied by before its
+    backward (fp16's loss scale, else 1); ``on_partitioned()`` runs once this rank
+    knows what it holds.
+    """
+
+    def __init__(self, module: nn.Module, ctx: ParallelContext, *, passes_per_sync: int,
+                 loss_scale: Callable[[], float], on_partitioned: Callable[[], None]):
+        self.module = module
+        self.ctx = ctx
+        self.pp = ctx.topology.pp
+        self.partitioned = False
+        self.split: cut.Split | None = None
+        self.trace: cut.Trace | None = None
+        self.gradients = GradientSync(module, ctx, passes_per_sync)
+        # this rank's parameters by name, as wrapped (FSDP's sharded ones, which the
+        # optimizer updates, even while FSDP has swapped in gathered ones)
+        self.local: dict[str, nn.Parameter] = {}
+        self.replaced: dict[int, nn.Parameter] = {}  # old parameter id -> its DTensor
+        self.events: list[Event] | None = None  # recorded while a schedule is recorded
+        self._loss_scale = loss_scale
+        self._on_partitioned = on_partitioned
+        self._runners: dict[tuple, StageRunner] = {}
+        self._stubs: dict[str, cut.Stub] = {}
+
+    # -- what this rank holds --------------------------------------------------------
+    def local_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each tensor once."""
+        return list({id(p): p for p in self.local.values()}.values())
+
+    def grad_norm_parts(self) -> tuple[list[nn.Parameter], list[nn.Parameter], Any]:
+        """For a global gradient norm: the parameters whose gradients this rank counts (a
+        parameter several pipeline stages hold counts on the first of them), those it
+        holds, and the group adding up the stages (None without a pipeline)."""
+        held = self.local_parameters()
+        if self.pp == 1:
+            return held, held, None
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        elsewhere = {id(params[n]) for group, names in self.gradients.shared
+                     if dist.get_global_rank(group, 0) != self.ctx.rank for n in names}
+        counted = [p for p in held if id(p) not in elsewhere]
+        return counted, held, self.ctx.process_group(CommGroup.PP_GROUP)
+
+    def held_modules(self, pp_rank: int | None = None) -> list[str]:
+        """Paths of the modules a pipeline rank (default: this one) holds."""
+        if self.split is None:
+            return [""]
+        held: list[str] = []
+        for stage in self.stage_ids(pp_rank):
+            held += [m for m in self.split.modules_of(stage) if m not in held]
+        return held
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        held = self.held_modules()
+        for name, m in self.module.named_modules():
+            if any(name == h or name.startswith(h + ".") for h in held):
+                yield m
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the model's own names."""
+        params = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        return {k: v for k, v in self.module.state_dict().items()
+                if k in self.local or (k not in params and not is_meta(v))}
+
+    def stage_ids(self, pp_rank: int | None = None) -> list[int]:
+        """The pipeline stages a pipeline rank (default: this one) holds."""
+        c = self.ctx.config
+        rank = self.ctx.coordinate("pp") if pp_rank is None else pp_rank
+        return schedules.stages_of_rank(c.pipeline, rank, self.pp, c.stages_per_rank)
+
+    def display_partition(self) -> str:
+        """The stages, their layers and cost shares, as text."""
+        if self.split is None or self.trace is None:
+            return "not partitioned yet: the split happens at the first step"
+        t, split = self.trace, self.split
+        return balancing.describe(split.starts, split.layers, t.compute, t.memory,
+                                  split.before, split.after,
+                                  before=_sum_costs(t.before), after=_sum_costs(t.after))
+
+    # -- the step --------------------------------------------------------------------
+    def run_step(self, microbatches: list[Microbatch]) -> list[Any]:
+        """Run a step function's microbatches; their return values, on every rank."""
+        if self.pp == 1:
+            if not self.partitioned:  # as SMP v1: wrapping happens at the first step
+                found = {id(b) for b in find_blocks(self.module)}
+                self._parallelize([n for n, m in self.module.named_modules() if id(m) in found]
+                                  + [""])
+                self._finish_partition()
+            self.gradients.before_step()
+            results = [self._run_direct(mb, len(microbatches)) for mb in microbatches]
+            self.gradients.after_step(self.local_parameters())
+            return results
+        for mb in microbatches:
+            kind, _ = mb.start()
+            if kind != "call":
+                raise RuntimeError("the step function returned without calling the model")
+        if not self.partitioned:
+            self._partition(microbatches[0].model_inputs)
+        self.gradients.before_step()
+        for mb in microbatches:
+            mb.scale = self._loss_scale() / len(microbatches)
+        runner = self._runner(microbatches)
+        if self.events is None:
+            results = runner.run(microbatches)
+        else:
+            with ScheduleRecorder(runner.stages, rank=self.ctx.coordinate("pp")) as recorder:
+                results = runner.run(microbatches)
+            self.events += recorder.events
+        self.gradients.after_step(self.local_parameters())
+        return self._from_last_stage(results)
+
+    def _runner(self, microbatches: list[Microbatch]) -> StageRunner:
+        train = torch.is_grad_enabled()
+        key = (train, _signature(microbatches[0].model_inputs), len(microbatches))
+        if key not in self._runners:
+            c = self.ctx.config
+            assert self.split is not None
+            self._runners[key] = StageRunner(
+                self.module, self.split, self.stage_ids(), self._stubs,
+                self.ctx.process_group(CommGroup.PP_GROUP), self.ctx.device, c.pipeline,
+                schedules.round_size(c.pipeline, len(microbatches), self.pp,
+                                     c.active_microbatches), train)
+        return self._runners[key]
+
+    def _run_direct(self, mb: Microbatch, count: int) -> Any:
+        """No pipeline: the step function runs here; backward of loss / microbatches."""
+        mb.scale = self._loss_scale() / count
+        kind, value = mb.start()
+        while kind != "done":
+            if kind == "call":
+                args, kwargs = mb.model_inputs
+                kind, value = mb.resume(("output", self.module(*args, **kwargs)))
+            elif kind == "backward":
+                (mb.loss.float() * mb.scale).backward()
+                kind, value = mb.resume(("continue", None))
+        return value
+
+    def _from_last_stage(self, results: list[Any] | None) -> list[Any]:
+        """SMP: the step's return values are on every rank of the pipeline."""
+        ctx, c = self.ctx, self.ctx.config
+        last_stage = self.pp * c.stages_per_rank - 1
+        last = ctx.topology.group_ranks(ctx.rank, CommGroup.PP_GROUP)[schedules.rank_of_stage(
+            c.pipeline, last_stage, self.pp, c.stages_per_rank)]
+        box = [None if results is None else pytree.tree_map(
+            lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, results)]
+        dist.broadcast_object_list(box, src=last, group=ctx.process_group(CommGroup.PP_GROUP))
+        device = ctx.device
+        return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                               box[0])
+
+    # -- partitioning ----------------------------------------------------------------
+    def _partition(self, model_inputs: tuple[tuple, dict]) -> None:
+        ctx = self.ctx
+        args, kwargs = model_inputs
+        trace = cut.trace(self.module, args, kwargs)
+        box = [trace]  # one rank's timings for all: every rank must choose the same split
+        dist.broadcast_object_list(box, src=0)
+        self.trace = trace = box[0]
+        self.split = split = self._choose_split(trace)
+        held = self.held_modules()
+        everything = [*split.layers, *split.before,
+                      *[m for m in split.after if m not in split.before]]
+        half = HALF.get(ctx.config.half_precision or "")
+        self._stubs = {path: cut.Stub(self.module.get_submodule(path), None, half)
+                       for path in everything}
+        self.gradients.shared = shared_parameters(self.module, ctx, self.held_modules)
+        self._free_other_stages(everything, held)
+        # FSDP units: this rank's layers, then its outer modules (root parameters stay)
+        layers = [m for m in held if m in split.layers]
+        self._parallelize([*layers, *[m for m in held if m not in layers]])
+        if ctx.rank == 0:
+            print(f"modelparallel: pipeline partition ({ctx.config.pipeline} schedule)\n"
+                  f"{self.display_partition()}", flush=True)
+        self._finish_partition()
+
+    def _choose_split(self, trace: cut.Trace) -> cut.Split:
+        config = self.ctx.config
+        stages = self.pp * config.stages_per_rank
+        placed = {path: getattr(self.module.get_submodule(path), PARTITION_ATTR, None)
+                  for path in trace.layers}
+        before, after = list(trace.before), list(trace.after)
+
+        def outer_placed(names: set[str]) -> dict[str, int]:
+            return {n: getattr(self.module.get_submodule(n), PARTITION_ATTR) for n in names
+                    if getattr(self.module.get_submodule(n), PARTITION_ATTR, None) is not None}
+
+        if any(v is not None for v in placed.values()) or not config.auto_partition:
+            starts = balancing.manual_starts(list(placed.values()), stages,
+                                             config.default_partition, trace.layers)
+            balancing.check_outer("before", outer_placed(set(before) - set(trace.shared)), 0)
+            balancing.check_outer("after", outer_placed(set(after) - set(trace.shared)),
+                                  stages - 1)
+        else:
+            starts = balancing.balance(trace.compute, trace.memory, stages,
+                                       memory_weight=config.effective_memory_weight,
+                                       before=_sum_costs(trace.before),
+                                       after=_sum_costs(trace.after))
+        return cut.Split(trace.layers, starts, before, after)
+
+    def _parallelize(self, units: list[str]) -> None:
+        """Tensor parallelism, then FSDP on ``units``; remember replaced parameters."""
+        before = dict(self.module.named_parameters(remove_duplicate=False))
+        done = compose.parallelize(self.module, units, self.ctx)
+        self.gradients.fsdp, self.gradients.tp_replicas = done.fsdp, done.tp_replicas
+        after = dict(self.module.named_parameters(remove_duplicate=False))
+        self.replaced = {id(before[n]): p for n, p in after.items() if p is not before[n]}
+        self.local = {n: p for n, p in after.items() if not is_meta(p)}
+
+    def _free_other_stages(self, everything: list[str], held: list[str]) -> None:
+        """Swap the parameters of modules this rank does not hold for meta tensors."""
+        held_params = {id(p) for path in held
+                       for p in self.module.get_submodule(path).parameters()}
+        for path in everything:
+            if path in held:
+                continue
+            for module in self.module.get_submodule(path).modules():
+                for name, p in list(module._parameters.items()):
+                    if p is not None and id(p) not in held_params:
+                        module._parameters[name] = nn.Parameter(
+                            torch.empty_like(p, device="meta"), p.requires_grad)
+                for name, b in list(module._buffers.items()):
+                    if b is not None:
+                        module._buffers[name] = torch.empty_like(b, device="meta")
+
+    def _finish_partition(self) -> None:
+        self.partitioned = True
+        self._on_partitioned()
+
+
+def _sum_costs(costs: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    return (sum(c for c, _ in costs.values()), sum(m for _, m in costs.values()))
+
+
+def _signature(model_inputs: tuple[tuple, dict]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                 for t in pytree.tree_leaves(model_inputs))

@@ -1,0 +1,41 @@
+"""The FSDP1 hook: after ``mp.init()``, an unchanged ``FullyShardedDataParallel(model,
+...)`` follows the configuration (:mod:`modelparallel.parallel.fsdp1` says how).
+
+This is the one place torch's FSDP1 constructor is replaced; it reads the process's
+state (the context of the current ``mp.init()``) and is inert before ``init``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from modelparallel.parallel import fsdp1, fsdp1_state, fsdp1_torch
+
+if TYPE_CHECKING:
+    from modelparallel.smp.state import State
+
+_original_init = FullyShardedDataParallel.__init__
+_signature = inspect.signature(_original_init)
+
+
+def install(state: State) -> None:
+    """Route FSDP1 construction through the policy of ``state``'s context (idempotent)."""
+
+    @functools.wraps(_original_init)
+    def init_with_policy(self: FullyShardedDataParallel, module: Any, *args: Any,
+                         **kwargs: Any) -> None:
+        ctx = state.context_or_none()
+        if ctx is None:
+            _original_init(self, module, *args, **kwargs)
+            return
+        bound = _signature.bind(self, module, *args, **kwargs)
+        arguments = {k: v for k, v in bound.arguments.items() if k not in ("self", "module")}
+        fsdp1.construct(self, module, arguments, ctx, _original_init)
+
+    FullyShardedDataParallel.__init__ = init_with_policy  # type: ignore[method-assign]
+    fsdp1_state.install()
+    fsdp1_torch.install()

@@ -1,0 +1,212 @@
+"""SMP v1's ``DistributedModel`` and ``smp.partition``: the facade over the PipelineEngine."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from modelparallel.parallel.pipeline.engine import PARTITION_ATTR, PipelineEngine
+from modelparallel.parallel.pipeline.record import ScheduleRecording, gather_events
+from modelparallel.parallel.pipeline.runtime import current_microbatch
+from modelparallel.smp import registry
+from modelparallel.smp.state import state
+from modelparallel.topology import CommGroup
+
+_placement: list[int] = []  # stack of mp.partition(i) contexts
+
+
+@contextlib.contextmanager
+def partition(index: int) -> Iterator[None]:
+    """Modules created inside go to pipeline stage ``index`` (SMP v1's ``smp.partition``)."""
+    _placement.append(index)
+    original = nn.Module.__init__
+
+    def init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        object.__setattr__(self, PARTITION_ATTR, _placement[-1])
+
+    nn.Module.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.__init__ = original  # type: ignore[method-assign]
+        _placement.pop()
+
+
+def set_partition(module: nn.Module, index: int) -> None:
+    """Put ``module`` on pipeline stage ``index``; call before the first step."""
+    object.__setattr__(module, PARTITION_ATTR, index)
+
+
+class DistributedModel(nn.Module):
+    """A model split over the pipeline stages and wrapped for data parallelism.
+
+    At the first ``@mp.step`` call (as SMP v1): with ``pipeline_parallel_degree`` > 1
+    one microbatch is traced, the repeated layers are balanced over the stages (or
+    placed by ``mp.partition`` / ``mp.set_partition``), and every rank keeps only its
+    stage's parameters; every rank takes the values of the first data-parallel rank
+    of its stage (scripts may seed each rank differently); then tensor parallelism,
+    activation checkpointing (``set_activation_checkpointing``), the precision policy
+    (``bf16``/``fp16``) and data parallelism apply to what the rank holds. Call the
+    model and ``backward`` only inside a step function.
+
+    ``backward_passes_per_step`` (SMP v1): gradients are accumulated over that many
+    step calls and reduced over the data-parallel ranks at the last of them; call the
+    optimizer after it.
+    """
+
+    def __init__(self, module: nn.Module, *, backward_passes_per_step: int = 1):
+        super().__init__()
+        ctx = state.require("mp.DistributedModel").context
+        if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
+                             f"{backward_passes_per_step!r}")
+        if registry.model() is not None:  # one per mp.init()
+            raise RuntimeError("only one mp.DistributedModel may exist per process; wrap the "
+                               "whole model once")
+        self.module = module
+        self.engine = PipelineEngine(module, ctx, passes_per_sync=backward_passes_per_step,
+                                     loss_scale=self._loss_scale,
+                                     on_partitioned=self._finish_partition)
+        self._hooks: list[Callable[[DistributedModel, Any], None]] = []
+        # mp.resume_from_checkpoint before the split: loads once the rank knows its part
+        self._load_after_partition: Callable[[], None] | None = None
+        registry.set_model(self)
+
+    # -- SMP v1 methods ------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        mb = current_microbatch("calling the DistributedModel")
+        return mb.call_model(args, kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of this microbatch's loss (``loss.backward()`` is not pipelined)."""
+        current_microbatch("model.backward()").backward(loss)
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether the model has been split (at the first step)."""
+        return self.engine.partitioned
+
+    def register_post_partition_hook(self,
+                                     hook: Callable[[DistributedModel, Any], None]) -> None:
+        """``hook(model, optimizer)`` runs once the model is partitioned."""
+        self._hooks.append(hook)
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        yield from self.engine.local.items()
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        yield from self.engine.local_parameters()
+
+    def grad_norm_parts(self) -> tuple[list[nn.Parameter], list[nn.Parameter], Any]:
+        """For a global gradient norm (``mp.clip_grad_norm_``): the parameters whose
+        gradients this rank counts (a parameter several pipeline stages hold counts on
+        the first of them), those it holds, and the group adding up the stages (None
+        without a pipeline)."""
+        return self.engine.grad_norm_parts()
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        yield from self.engine.local_modules()
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the model's own names."""
+        return self.engine.local_state_dict()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The full model (every stage's parameters), on every rank, on CPU."""
+        local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                 for k, v in self.local_state_dict().items()}  # collective in the stage
+        if self.pipeline_degree == 1:
+            return local
+        parts: list[Any] = [None] * self.pipeline_degree
+        dist.all_gather_object(parts, local, group=self.pipeline_group())
+        full = {}
+        for part in parts:
+            full.update(part)
+        return full
+
+    def load_state_dict(self, state_dict: Mapping[str, Any],  # type: ignore[override]
+                        strict: bool = True) -> None:
+        """Load a full (or this rank's) state dict; this rank takes what it holds."""
+        held = self.local_state_dict()
+        mine = {k: v for k, v in state_dict.items() if k in held}
+        missing = set(held) - set(mine)
+        if strict and missing:
+            raise KeyError(f"state dict lacks {sorted(missing)} held by this rank")
+        with torch.no_grad():
+            current = self.module.state_dict(keep_vars=True)
+            for k, v in mine.items():
+                target = current[k]
+                if isinstance(target, DTensor):  # this rank's shard of the full value
+                    v = distribute_tensor(v.to(target.device), target.device_mesh,
+                                          target.placements, src_data_rank=None)
+                _local(target).copy_(_local(v))
+
+    @contextlib.contextmanager
+    def record_schedule(self) -> Iterator[ScheduleRecording]:
+        """Record what every pipeline rank runs in the steps inside (one is best).
+
+        ``with model.record_schedule() as rec: train_step(...)``; afterwards
+        ``rec.events`` (forward/backward of which stage and microbatch, start and end),
+        ``rec.grid()`` (the rank x time grid as text), ``rec.bubble`` (measured idle
+        share) and ``rec.theoretical`` hold every pipeline rank's record. Enter it on
+        every rank of the pipeline: leaving it gathers the records.
+        """
+        c = self.engine.ctx.config
+        recording = ScheduleRecording(self.pipeline_degree, c.microbatches, c.stages_per_rank)
+        self.engine.events = []
+        try:
+            yield recording
+            events = self.engine.events
+        finally:
+            self.engine.events = None
+        recording.events = gather_events(events, group=self.pipeline_group())
+
+    def display_partition(self) -> str:
+        """The stages, their layers and cost shares, as text (also printed by rank 0)."""
+        return self.engine.display_partition()
+
+    # -- what checkpoints use (checkpoint.protocol.PartitionedModel) -------------------
+    @property
+    def pipeline_degree(self) -> int:
+        return self.engine.pp
+
+    def pipeline_group(self) -> dist.ProcessGroup:
+        return self.engine.ctx.process_group(CommGroup.PP_GROUP)
+
+    def load_after_partition(self, load: Callable[[], None]) -> None:
+        """Run ``load`` once this rank knows what it holds (now, if it does)."""
+        if self.partitioned:
+            load()
+        else:
+            self._load_after_partition = load
+
+    # -- the engine's callbacks -----------------------------------------------------
+    def _loss_scale(self) -> float:
+        """The factor ``model.backward`` multiplies the loss by: the loss scale of the
+        DistributedOptimizer's scaler under fp16, else 1."""
+        if not torch.is_grad_enabled() or self.engine.ctx.config.half_precision != "fp16":
+            return 1.0
+        optimizer = registry.optimizer()
+        if optimizer is None or optimizer.loss_scaler is None:
+            raise RuntimeError("fp16=True needs loss scaling, which mp.DistributedOptimizer "
+                               "does: create optimizer = mp.DistributedOptimizer(torch_optimizer) "
+                               "after mp.DistributedModel and before the first step")
+        return optimizer.loss_scaler.scale_value
+
+    def _finish_partition(self) -> None:
+        if self._load_after_partition is not None:
+            load, self._load_after_partition = self._load_after_partition, None
+            load()
+        for hook in self._hooks:
+            hook(self, registry.optimizer())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
