@@ -20,7 +20,7 @@ import torch
 
 import modelparallel as mp
 from modelparallel.checkpoint import manager
-from modelparallel.datasets import ByteChunks, python_source_bytes
+from modelparallel.data.datasets import ByteChunks, python_source_bytes
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
 

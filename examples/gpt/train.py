@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import modelparallel as mp
-from modelparallel.datasets import ByteChunks, python_source_bytes, train_val_split
+from modelparallel.data.datasets import ByteChunks, python_source_bytes, train_val_split
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
 

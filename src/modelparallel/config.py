@@ -201,7 +201,7 @@ class Config:
         config = cls(**merged)
         config._check_values(warn=rank0)
         given = source.explicit if isinstance(source, Config) else script.keys()
-        config._explicit = frozenset(given) | frozenset(launcher)
+        object.__setattr__(config, "_explicit", frozenset(given) | frozenset(launcher))
         return config
 
     def to_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ The usual ``torch.distributed`` collectives are re-exported, so ``dist.all_reduc
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from torch import nn
 from torch.distributed import (  # noqa: F401 - re-exported for ported scripts
@@ -29,7 +30,6 @@ from torch.distributed import (  # noqa: F401 - re-exported for ported scripts
     is_initialized,
     reduce,
 )
-from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from modelparallel.smp.appliers import replicate
 from modelparallel.smp.state import init, state
@@ -58,7 +58,8 @@ def get_local_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
-def DistributedDataParallel(module: nn.Module, **kwargs) -> _TorchDDP:
-    """``torch.nn.parallel.DistributedDataParallel`` over the data-parallel ranks."""
+def DistributedDataParallel(module: nn.Module, **kwargs: Any) -> nn.Module:
+    """``torch.nn.parallel.DistributedDataParallel`` over the data-parallel ranks (a
+    tensor-parallel model is replicated in place and returned as it is: ``mp.replicate``)."""
     init_process_group()
     return replicate(module, **kwargs)

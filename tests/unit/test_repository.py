@@ -18,6 +18,13 @@ def test_ruff_passes():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_mypy_passes_on_the_package():
+    """The type checker, configured in pyproject.toml ([tool.mypy]), over src/."""
+    proc = subprocess.run([sys.executable, "-m", "mypy"], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_configuration_doc_lists_every_key():
     doc = (REPO / "docs" / "configuration.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", doc, flags=re.M))

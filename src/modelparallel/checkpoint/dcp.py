@@ -51,7 +51,7 @@ def temporary_name(name: str, process_group=None) -> str:
 
 def on_coordinator(fn, process_group=None, no_dist: bool = False) -> None:
     """Run ``fn`` on the group's first rank; its error is raised on every rank."""
-    error = [None]
+    error: list[str | None] = [None]
     if no_dist or not dist.is_initialized() or dist.get_rank(process_group) == 0:
         try:
             fn()

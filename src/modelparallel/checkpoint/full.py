@@ -49,7 +49,7 @@ def write(location: Location, directory: str, module, model_sd: dict[str, Any],
     tensors, tied = _without_shared_storage(model_sd)
     location.write_bytes(save_safetensors({k: v.contiguous() for k, v in tensors.items()}),
                          directory, MODEL_FILE)
-    config = getattr(module, "config", None)
+    config: Any = getattr(module, "config", None)
     if hasattr(config, "to_json_string"):  # Hugging Face: from_pretrained(directory) works
         location.write_bytes(config.to_json_string().encode(), directory, "config.json")
     optim_tensors = {k: v.contiguous() for k, v in optim_sd.items()

@@ -84,7 +84,11 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
              "loss_scaler": scaler.state_dict() if scaler is not None else None}
     small_bytes = states.check_safe("user_content", small)  # fail before writing anything
     location = Location(path)
-    on_coordinator(lambda: (location.writable(), _remove_leftovers(location)))
+    def prepare() -> None:
+        location.writable()
+        _remove_leftovers(location)
+
+    on_coordinator(prepare)
     tmp = temporary_name(tag)
     rank = dist.get_rank()
     location.write_bytes(states.check_safe("rng", states.rng_state(module)), tmp, "rng",
@@ -96,7 +100,7 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
         sd: dict[str, Any] = {}
         if module is not None:
             sd["model"] = states.model_state(module, dm)
-        if optim is not None:
+        if module is not None and optim is not None:
             sd["optimizer"] = states.optimizer_state(module, optim)
         run_dcp(torch_dcp.save, sd, storage_writer=writer_for(location.url(tmp, SHARDED)),
                 context=f"writing checkpoint {location.url(tag)} failed")
@@ -142,7 +146,7 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
     guard.check_every_rank_calls(f"resume_from_checkpoint({os.fspath(path)!r}, tag={tag!r})",
                                  ctx)
     location = Location(path)
-    tag = tag if tag is not None else newest(path, required=True)
+    tag = tag if tag is not None else _newest_tag(path)
     manifest = _manifest(location, tag)
     small = states.load_safe(_read(location, tag, SMALL_STATE))
     scaler = _scaler(loss_scaler, optimizer)
@@ -155,6 +159,7 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
 
     def load_model_and_optimizer() -> None:
         module, optim, dm = states.unwrap(model, optimizer)  # after the split: what it holds
+        assert module is not None  # checked before
         states.check_loadable(module)  # every rank alike, before any collective
         if manifest["partial"]:
             _load_sharded(location, tag, module, optim, dm, strict)
@@ -201,7 +206,13 @@ def newest(path: str | os.PathLike, *, required: bool = False) -> str | None:
 def info(path: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
     """What ``path/tag`` (default: the newest) records: tag, step, partial, world_size,
     layout, saved_at."""
-    return _manifest(Location(path), tag if tag is not None else newest(path, required=True))
+    return _manifest(Location(path), tag if tag is not None else _newest_tag(path))
+
+
+def _newest_tag(path: str | os.PathLike) -> str:
+    tag = newest(path, required=True)
+    assert tag is not None  # required: a CheckpointError otherwise
+    return tag
 
 
 def committed_tags(location: Location) -> list[str]:
@@ -339,7 +350,7 @@ def _load_full(location: Location, tag: str, manifest, small, module, optim, dm,
     template = {k: v for k, v in template.items() if k in model_sd}
     states.set_model_state(module, states.shard_like(template, model_sd, "model"),
                            strict=strict and dm is None)
-    if optim is not None:
+    if optim is not None and optim_sd is not None:
         states.set_optimizer_state(module, optim, states.shard_like(
             states.optimizer_state(module, optim), optim_sd, "optimizer"))
 

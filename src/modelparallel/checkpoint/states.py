@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import random
 import re
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -62,7 +62,8 @@ def model_state(module: nn.Module, dm: Any = None, *, full: bool = False) -> dic
     sd = get_model_state_dict(module, options=_options(full))
     if not full:
         sd = _by_global_name(module, sd, optimizer=False)
-    return {k: v for k, v in sd.items() if not is_meta(v)} if dm is not None else sd
+    return {k: v for k, v in sd.items() if not (isinstance(v, torch.Tensor) and is_meta(v))} \
+        if dm is not None else sd
 
 
 def _check_sharded(module: nn.Module) -> None:
@@ -276,7 +277,8 @@ def rng_state(model: nn.Module | None = None) -> dict[str, Any]:
     """Python's, NumPy's, torch's CPU and (if any) CUDA generators' states, and the
     tensor-parallel random streams of ``model`` if it has them."""
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, Any, int, int, float],
+                                              np.random.get_state())
     state = {"python": {"version": version, "state": torch.tensor(internal), "gauss": gauss},
              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
                        "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},

@@ -68,7 +68,7 @@ class TrainingJob:
     @property
     def metrics(self) -> dict[str, list[float]]:
         """Every metric's values this attempt, in the order they were recorded."""
-        record = self.store.get(self.name)
+        record = self.store.require(self.name)
         out: dict[str, list[float]] = {}
         for row in self.store.metrics(self.name, record["attempt"]):
             out.setdefault(row["metric"], []).append(row["value"])
@@ -76,7 +76,7 @@ class TrainingJob:
 
     @property
     def log_path(self) -> Path:
-        return JobLayout(self.store.get(self.name)["job_dir"]).log
+        return JobLayout(self.store.require(self.name)["job_dir"]).log
 
     def wait(self, logs: bool = True, poll_s: float = 0.3) -> str:
         """Wait until the job ends (printing its log if ``logs``); its final status."""
@@ -252,13 +252,13 @@ def check_runner(store: JobStore, name: str) -> dict[str, Any]:
     pid = record["runner_pid"]
     if pid and not _alive(pid):
         time.sleep(0.5)  # the runner may have recorded its end just now
-        record = store.get(name)
+        record = store.require(name)
         if record["status"] not in TERMINAL:
             reason = (f"the job's runner process (pid {pid}) ended without recording how "
                       f"the job ended; see {record['job_dir']}/runner.log")
             store.update(name, failure_reason=reason)
             store.transition(name, "Failed", reason)
-            record = store.get(name)
+            record = store.require(name)
     return record
 
 

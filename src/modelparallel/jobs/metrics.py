@@ -22,7 +22,7 @@ class LogMetrics:
         self.patterns = [(d["Name"], re.compile(d["Regex"])) for d in definitions]
 
     def parse(self, line: str) -> list[Metric]:
-        out = []
+        out: list[Metric] = []
         for name, pattern in self.patterns:
             for match in pattern.finditer(line):
                 try:
@@ -41,7 +41,7 @@ class StepMetricsFile:
         self.file = FollowedFile(path)
 
     def read_new(self) -> list[Metric]:
-        out = []
+        out: list[Metric] = []
         for raw in self.file.read_new().splitlines():
             try:
                 record = json.loads(raw)

@@ -43,7 +43,7 @@ class Runner:
         self.layout = layout
         self.spec = JobSpec.from_json(layout.spec.read_text())
         self.name = self.spec.name
-        self.attempt = store.get(self.name)["attempt"]
+        self.attempt = store.require(self.name)["attempt"]
         self.backend = backend_class(self.spec.backend)(self.spec.backend_options)
         self.log: TextIO = layout.log.open("a", buffering=1)
         self.log_metrics = LogMetrics(self.spec.metric_definitions)
@@ -121,7 +121,7 @@ class Runner:
             if self.stop_reason and not stopping:
                 stopping = True
                 self.say(self.stop_reason)
-                if self.store.get(self.name)["secondary_status"] != "Stopping":
+                if self.store.require(self.name)["secondary_status"] != "Stopping":
                     self.store.transition(self.name, "Stopping", self.stop_reason)
                 self._stop_backend()
             if self.spec.checkpoint_uri and now - last_sync > CHECKPOINT_SYNC_S:
@@ -154,7 +154,7 @@ class Runner:
         self.store.add_metrics(self.name, self.attempt, metrics)
 
     def _sync_checkpoints(self) -> None:
-        if self.layout.checkpoints.is_dir():
+        if self.layout.checkpoints.is_dir() and self.spec.checkpoint_uri:
             copied = artifacts.sync_up(self.layout.checkpoints, self.spec.checkpoint_uri)
             if copied:
                 self.say(f"synced {copied} checkpoint file(s) to {self.spec.checkpoint_uri}")

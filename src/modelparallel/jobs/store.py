@@ -8,6 +8,7 @@ writer waits (``busy_timeout``) instead of failing while another holds the lock.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import sqlite3
@@ -15,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 TERMINAL = ("Completed", "Failed", "Stopped")
 # secondary status (what the job is doing) -> primary status (SageMaker's names)
@@ -200,23 +201,30 @@ class JobStore:
             row = db.execute("SELECT * FROM jobs WHERE name=?", (name,)).fetchone()
         return _decode(row) if row is not None else None
 
+    def require(self, name: str) -> dict[str, Any]:
+        """The record of job ``name``; a LookupError if there is none."""
+        record = self.get(name)
+        if record is None:
+            raise LookupError(f"no training job named {name!r}")
+        return record
+
     def list(self, status: str | None = None) -> list[dict[str, Any]]:
-        query, args = "SELECT * FROM jobs", ()
+        query, args = "SELECT * FROM jobs", cast(tuple[Any, ...], ())
         if status:
             query, args = query + " WHERE status=? OR secondary_status=?", (status, status)
         with self._connect() as db:
             rows = db.execute(query + " ORDER BY created_at DESC", args).fetchall()
         return [_decode(r) for r in rows]
 
-    def transitions(self, name: str) -> list[dict[str, Any]]:
+    def transitions(self, name: str) -> builtins.list[dict[str, Any]]:
         with self._connect() as db:
             rows = db.execute("SELECT attempt, status, at, message FROM transitions "
                               "WHERE name=? ORDER BY id", (name,)).fetchall()
         return [dict(r) for r in rows]
 
-    def metrics(self, name: str, attempt: int | None = None) -> list[dict[str, Any]]:
-        query, args = "SELECT attempt, metric, value, step, at FROM metrics WHERE name=?", \
-            (name,)
+    def metrics(self, name: str, attempt: int | None = None) -> builtins.list[dict[str, Any]]:
+        query = "SELECT attempt, metric, value, step, at FROM metrics WHERE name=?"
+        args: tuple[Any, ...] = (name,)
         if attempt is not None:
             query, args = query + " AND attempt=?", (name, attempt)
         with self._connect() as db:

@@ -11,7 +11,8 @@ the LM head column-parallel. Hugging Face classes are named, not imported, so
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
+
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -23,7 +24,14 @@ from torch.distributed.tensor.parallel import (
 from modelparallel.models.gpt import GPT, Block
 from modelparallel.models.vit import ViT
 from modelparallel.parallel.tensor.layouts import lm_head, shared_input, vocab_embedding
-from modelparallel.parallel.tensor.plans import REPLICATED, SHARDED, TPOptions, TPPlan, builtin
+from modelparallel.parallel.tensor.plans import (
+    REPLICATED,
+    SHARDED,
+    PlanFactory,
+    TPOptions,
+    TPPlan,
+    builtin,
+)
 from modelparallel.parallel.tensor.styles import ColwiseConv1D, FusedColwiseConv1D, RowwiseConv1D
 
 # -- the reference models (modelparallel.models) --------------------------------------
@@ -67,7 +75,7 @@ def _reference_vit(model: ViT, o: TPOptions) -> TPPlan:
 # -- Hugging Face transformers ---------------------------------------------------------
 
 @builtin("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
-def _llama_layer(layer: nn.Module, o: TPOptions) -> TPPlan:
+def _llama_layer(layer: Any, o: TPOptions) -> TPPlan:
     cfg = layer.self_attn.config
     return TPPlan(
         styles={"self_attn": shared_input(hidden_states=None),
@@ -82,7 +90,7 @@ def _llama_layer(layer: nn.Module, o: TPOptions) -> TPPlan:
 
 
 @builtin("GPTNeoXLayer")
-def _neox_layer(layer: nn.Module, o: TPOptions) -> TPPlan:
+def _neox_layer(layer: Any, o: TPOptions) -> TPPlan:
     # query_key_value is laid out per head ([q k v] of head 0, then head 1, ...), so a
     # contiguous column split keeps whole heads.
     return TPPlan(
@@ -95,7 +103,7 @@ def _neox_layer(layer: nn.Module, o: TPOptions) -> TPPlan:
 
 
 @builtin("GPT2Block")
-def _gpt2_block(block: nn.Module, o: TPOptions) -> TPPlan:
+def _gpt2_block(block: Any, o: TPOptions) -> TPPlan:
     if getattr(block, "crossattention", None) is not None:
         raise NotImplementedError("GPT-2 with cross-attention (add_cross_attention=True) has no "
                                   "tensor-parallel plan yet")
@@ -108,7 +116,7 @@ def _gpt2_block(block: nn.Module, o: TPOptions) -> TPPlan:
 
 
 @builtin("ViTLayer")
-def _vit_layer(layer: nn.Module, o: TPOptions) -> TPPlan:
+def _vit_layer(layer: Any, o: TPOptions) -> TPPlan:
     return TPPlan(
         styles={"attention": PrepareModuleInput(input_layouts=(Replicate(), None),
                                                 desired_input_layouts=(Replicate(), None)),
@@ -120,15 +128,15 @@ def _vit_layer(layer: nn.Module, o: TPOptions) -> TPPlan:
         rng={"attention": SHARDED})
 
 
-def _embedding_plan(attr: str):
-    def plan(model: nn.Module, o: TPOptions) -> TPPlan:
+def _embedding_plan(attr: str) -> PlanFactory:
+    def plan(model: Any, o: TPOptions) -> TPPlan:
         return TPPlan(styles={attr: vocab_embedding(o)},
                       sizes={"vocabulary": getattr(model, attr).num_embeddings})
     return plan
 
 
-def _head_plan(*attrs: str):
-    def plan(model: nn.Module, o: TPOptions) -> TPPlan:
+def _head_plan(*attrs: str) -> PlanFactory:
+    def plan(model: Any, o: TPOptions) -> TPPlan:
         attr = next(a for a in attrs if hasattr(model, a))  # renamed across HF versions
         return TPPlan(styles={attr: lm_head(o)},
                       sizes={"vocabulary": getattr(model, attr).out_features})

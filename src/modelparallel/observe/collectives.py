@@ -111,7 +111,7 @@ class CollectiveCounter(TorchDispatchMode):
     def _add(self, group_name: str, nbytes: float) -> None:
         label = self.labels.get(group_name)
         if label is None:
-            pg = _resolve_process_group(group_name)
+            pg = _resolve_process_group(group_name)  # type: ignore[arg-type]  # a GroupName is a str
             label = f"group{pg.size()}:{group_name}"
         self.bytes[label] += nbytes
         self.calls[label] += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from torch import nn
 
@@ -26,7 +27,7 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[nn.Module]:
         return _repeated_children(model)
     if callable(blocks) and not isinstance(blocks, type):
         return _outermost(model, blocks)
-    chosen = list(blocks)
+    chosen = list(cast(Iterable[type[nn.Module] | nn.Module], blocks))
     classes = tuple(b for b in chosen if isinstance(b, type))
     instances = {id(b) for b in chosen if isinstance(b, nn.Module)}
     if len(classes) + len(instances) != len(chosen):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ def clip_grad_norm_(model: nn.Module | Iterable[torch.Tensor], max_norm: float,
         return model.clip_grad_norm_(max_norm, norm_type)
     stages = None
     if hasattr(model, "grad_norm_parts"):  # a DistributedModel: counted part, stage group
-        counted, params, stages = model.grad_norm_parts()
+        counted, params, stages = model.grad_norm_parts()  # type: ignore[operator]
     else:
         params = list(model.parameters() if isinstance(model, nn.Module) else model)
         counted = params
@@ -99,7 +99,7 @@ def fsdp1_clip_grad_norm_(model: FullyShardedDataParallel, max_norm: float,
     return total
 
 
-def _by_mesh(params: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+def _by_mesh(params: Sequence[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
     """Parameters with gradients, by the mesh of their gradient (None: plain tensors)."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for p in params:
@@ -109,10 +109,11 @@ def _by_mesh(params: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
     return by_mesh
 
 
-def _norm(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool,
+def _norm(grads: Sequence[torch.Tensor | None], norm_type: float, error_if_nonfinite: bool,
           foreach: bool | None) -> torch.Tensor:
     """The norm of ``grads`` as a plain tensor (a DTensor's over its whole mesh)."""
-    norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    norm = torch.nn.utils.get_total_norm([g for g in grads if g is not None], norm_type,
+                                         error_if_nonfinite, foreach)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 

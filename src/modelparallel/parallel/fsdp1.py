@@ -156,11 +156,14 @@ def _adopt(model: FullyShardedDataParallel, split: bool, ctx: ParallelContext) -
     """After construction with our groups: our state dicts, and our clipping when
     tensor parallelism split the model."""
     for unit in FullyShardedDataParallel.fsdp_modules(model):
-        unit._mp_policy = True  # read by fsdp1_torch: only models we wrapped are changed
-        unit._mp_root_mesh = ctx.mesh  # the mesh whole-tensor state dicts are laid on
+        # read by fsdp1_torch: only models we wrapped are changed
+        object.__setattr__(unit, "_mp_policy", True)
+        # the mesh whole-tensor state dicts are laid on (fsdp1_state)
+        object.__setattr__(unit, "_mp_root_mesh", ctx.mesh)
     fsdp1_torch.use_local_state_dicts(model)
     if split:
-        model.clip_grad_norm_ = functools.partial(fsdp1_clip_grad_norm_, model)
+        model.clip_grad_norm_ = functools.partial(  # type: ignore[method-assign]
+            fsdp1_clip_grad_norm_, model)
         model.register_state_dict_post_hook(fsdp1_state.full_tensors)
 
 

@@ -40,11 +40,13 @@ def guard(model: FullyShardedDataParallel, split: bool, use_orig_params: bool) -
     if split and model.world_size == 1:
         model.register_forward_pre_hook(_no_accumulation, prepend=True)
     if split and use_orig_params:
-        model.no_sync = functools.partial(_synchronised_no_sync, model)
+        model.no_sync = functools.partial(  # type: ignore[method-assign]
+            _synchronised_no_sync, model)
     shared = bool(tied_groups(model.module))
     if (model.sharding_strategy == ShardingStrategy.NO_SHARD and shared
             and model.mixed_precision.param_dtype not in (None, torch.float32)):
-        model.no_sync = functools.partial(_no_sync_refused, model.mixed_precision.param_dtype)
+        model.no_sync = functools.partial(  # type: ignore[method-assign,assignment]
+            _no_sync_refused, model.mixed_precision.param_dtype)
 
 
 def _no_accumulation(module: nn.Module, args: Any) -> None:
@@ -64,7 +66,7 @@ def _synchronised_no_sync(model: FullyShardedDataParallel) -> Iterator[None]:
     # python storage") on the next forward; reduced in every backward, the gradients
     # accumulate all the same
     if not getattr(model, "_mp_no_sync_noted", False):
-        model._mp_no_sync_noted = True
+        object.__setattr__(model, "_mp_no_sync_noted", True)
         if torch.distributed.get_rank() == 0:
             logger.warning("no_sync() has no effect on this tensor-parallel FSDP1 model: "
                            "with use_orig_params=True torch's FSDP1 cannot hold its "

@@ -34,7 +34,8 @@ def full_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str,
     for key, value in state_dict.items():
         if key.startswith(prefix) and isinstance(value, DTensor):
             # offloaded to the CPU by FSDP: gather on the mesh's device
-            full = value.to(value.device_mesh.device_type).full_tensor()
+            moved: Any = value.to(value.device_mesh.device_type)  # still a DTensor
+            full = moved.full_tensor()
             state_dict[key] = full.cpu() if settings.state_dict_config.offload_to_cpu else full
 
 
@@ -273,15 +274,20 @@ def _joint_mesh(root: DeviceMesh | None, tp_mesh: DeviceMesh,
             not set(names) <= set(root.mesh_dim_names or ()) or len(set(names)) != len(names):
         raise UnsupportedCheckpoint(f"the tensor-parallel mesh {tp_mesh} and FSDP1's mesh "
                                     f"{data_mesh} are not dims of modelparallel's mesh")
-    dims = [root.mesh_dim_names.index(n) for n in names]
+    root_names = root.mesh_dim_names or ()
+    dims = [root_names.index(n) for n in names]
     rest = [d for d in range(root.ndim) if d not in dims]
     coordinate = root.get_coordinate()
-    ranks = root.mesh.permute(*dims, *rest)[(..., *(coordinate[d] for d in rest))]
+    assert coordinate is not None, "this rank is in modelparallel's mesh"
+    outer: tuple[Any, ...] = (..., *(coordinate[d] for d in rest))
+    ranks = root.mesh.permute(*dims, *rest)[outer]
     ranks = ranks.contiguous()
     mine = [int(i) for i in (ranks == dist.get_rank()).nonzero()[0]]
     k = tp_mesh.ndim
-    if ranks[(*[slice(None)] * k, *mine[k:])].tolist() != tp_mesh.mesh.tolist() or \
-            ranks[(*mine[:k], ...)].tolist() != data_mesh.mesh.tolist():
+    tp_line: tuple[Any, ...] = (*[slice(None)] * k, *mine[k:])
+    data_line: tuple[Any, ...] = (*mine[:k], ...)
+    if ranks[tp_line].tolist() != tp_mesh.mesh.tolist() or \
+            ranks[data_line].tolist() != data_mesh.mesh.tolist():
         raise UnsupportedCheckpoint(f"the tensor-parallel mesh {tp_mesh} and FSDP1's mesh "
                                     f"{data_mesh} do not match modelparallel's mesh")
     _JOINT[key] = DeviceMesh.from_group([root.get_group(n) for n in names], root.device_type,
@@ -291,5 +297,8 @@ def _joint_mesh(root: DeviceMesh | None, tp_mesh: DeviceMesh,
 
 def install() -> None:
     """Route FSDP1's optimizer-state functions through this module (idempotent)."""
-    FullyShardedDataParallel.optim_state_dict = staticmethod(_optim_state_dict)
-    FullyShardedDataParallel.optim_state_dict_to_load = staticmethod(_optim_state_dict_to_load)
+    # the two staticmethods of torch's class, replaced on purpose (see the module docstring)
+    FullyShardedDataParallel.optim_state_dict = staticmethod(  # type: ignore[method-assign]
+        _optim_state_dict)
+    FullyShardedDataParallel.optim_state_dict_to_load = staticmethod(  # type: ignore[method-assign]
+        _optim_state_dict_to_load)

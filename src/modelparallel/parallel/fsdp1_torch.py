@@ -40,6 +40,7 @@ import contextvars
 import dataclasses
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
@@ -48,7 +49,7 @@ import torch.distributed.fsdp._optim_utils as fsdp_optim_utils
 import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_module
 from torch import nn
 from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, ShardingStrategy
-from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel.fsdp import DTensorExtensions
 
 # -- one-rank shard groups keep a sharded strategy ---------------------------------------
@@ -75,7 +76,8 @@ def install() -> None:
     if _torch_gather_all_orig_param_state is not None and all(
             hasattr(fsdp_optim_utils, f) for f in _GATHER_STEPS):
         fsdp_optim_utils._gather_all_orig_param_state = _gather_all_orig_param_state
-    FullyShardedDataParallel.set_state_dict_type = staticmethod(_set_state_dict_type)
+    FullyShardedDataParallel.set_state_dict_type = staticmethod(  # type: ignore[method-assign]
+        _set_state_dict_type)
     if _torch_unflatten_optim_state_dict is not None:
         dcp_state_dict._unflatten_optim_state_dict = _unflatten_optim_state_dict
 
@@ -141,7 +143,7 @@ def use_local_state_dicts(model: nn.Module) -> None:
     """Give every FSDP1 unit of ``model`` built on a device mesh :class:`_LocalShardExtensions`
     (its flattening of tensor-parallel parameters is torch's own, inherited)."""
     for unit in FullyShardedDataParallel.fsdp_modules(model):
-        old = unit._fsdp_extension  # private: set by FSDP1's _init_extension
+        old: Any = unit._fsdp_extension  # private: set by FSDP1's _init_extension
         if unit._device_mesh is not None and old is not None:
             unit._fsdp_extension = _LocalShardExtensions(old.device_handle)
 
@@ -158,12 +160,13 @@ class GradPiece:
 def grad_pieces(model: nn.Module) -> tuple[list[GradPiece], list[nn.Parameter]]:
     """One :class:`GradPiece` per parameter each FSDP1 unit of ``model`` manages (on every
     rank, in the same order), and the parameters of ``model`` no unit manages."""
-    pieces, managed = [], set()
+    pieces: list[GradPiece] = []
+    managed: set[Any] = set()
     for unit in FullyShardedDataParallel.fsdp_modules(model):
         handle = unit._handle  # private: the unit's FlatParamHandle, None if it has no params
         if handle is None:
             continue
-        flat = handle.flat_param
+        flat: Any = handle.flat_param  # private FlatParameter internals below
         managed.add(flat)
         sharded = unit.process_group if handle.uses_sharded_strategy else None
         flat_grad = flat.grad
@@ -196,7 +199,7 @@ def holds_split_params(model: nn.Module) -> bool:
 class SplitParam:
     """A tensor-parallel parameter as FSDP1 flattened it."""
     mesh: DeviceMesh  # tensor parallelism's mesh
-    placements: tuple[object, ...]  # on ``mesh``
+    placements: tuple[Placement, ...]  # on ``mesh``
     shape: torch.Size  # the whole parameter
     stride: tuple[int, ...]
     local_shape: torch.Size  # this rank's tensor-parallel part (what FSDP1 flattened)

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,7 @@ def synchronize(model: nn.Module, s: ParallelContext) -> None:
         broadcast_from_first(_unique(split), s.process_group(CommGroup.RDP_GROUP))
 
 
-def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list({id(t): t for t in tensors}.values())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,17 +26,17 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, 
     CPU on rank 0 only and the other ranks get ``{}``; ``cpu_offload=False`` gives
     every rank the whole dict on its device.
     """
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+    return cast(dict[str, torch.Tensor], get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)))
 
 
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
                          *, strict: bool = True) -> None:
     """Load a full (single-device) state dict into a split model: each rank keeps its
     shards. Every rank passes the same full dict. Collective: call it on every rank."""
-    state_dict = dict(state_dict)
+    stored: dict[str, Any] = dict(state_dict)
     for name, shape in stored_shapes(model).items():  # fused projections: view as stored
-        if name in state_dict:
-            state_dict[name] = state_dict[name].reshape(shape)
-    set_model_state_dict(model, state_dict,
+        if name in stored:
+            stored[name] = stored[name].reshape(shape)
+    set_model_state_dict(model, stored,
                          options=StateDictOptions(full_state_dict=True, strict=strict))

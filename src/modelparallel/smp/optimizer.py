@@ -30,7 +30,7 @@ class DistributedOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, loss_scaler: LossScaler | None = None):
-        s = state.require("mp.DistributedOptimizer")
+        s = state.require("mp.DistributedOptimizer").context
         self.optimizer = optimizer
         self._filtered = False
         if loss_scaler is not None and s.config.half_precision != "fp16":
@@ -59,7 +59,7 @@ class DistributedOptimizer:
 
     def step(self, *args, **kwargs):
         self._filter()
-        c = state.require("mp.DistributedOptimizer.step").config
+        c = state.require("mp.DistributedOptimizer.step").context.config
         if self.loss_scaler is not None and self.loss_scaler.unscale_(self.optimizer):
             self.loss_scaler.update()  # skipped: the gradients overflowed somewhere
             return None
@@ -88,7 +88,7 @@ class DistributedOptimizer:
 
     def state_dict(self) -> list[dict[str, Any]]:
         """Every pipeline stage's optimizer state (SMP gathers them), stage order."""
-        s = state.require("mp.DistributedOptimizer")
+        s = state.require("mp.DistributedOptimizer").context
         local = self.local_state_dict()
         if s.topology.pp == 1:
             return [local]
@@ -99,7 +99,7 @@ class DistributedOptimizer:
     def load_state_dict(self, state_dict) -> None:
         self._filter()
         if isinstance(state_dict, list):
-            s = state.require("mp.DistributedOptimizer")
+            s = state.require("mp.DistributedOptimizer").context
             state_dict = state_dict[s.topology.coordinate(s.rank)["pp"]]
         state_dict = dict(state_dict)
         scaler = state_dict.pop("loss_scaler", None)

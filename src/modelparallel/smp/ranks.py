@@ -21,32 +21,32 @@ _CPU = torch.device("cpu")  # objects travel as CPU byte tensors (gloo on mixed 
 
 
 def _rank_in(group: CommGroup) -> int:
-    s = state.require(f"mp.{group.value}_rank()")
+    s = state.require(f"mp.{group.value}_rank()").context
     return s.topology.rank_in(s.rank, group)
 
 
 def _size_of(group: CommGroup) -> int:
-    return state.require(f"mp.{group.value}_size()").topology.size_of(group)
+    return state.require(f"mp.{group.value}_size()").context.topology.size_of(group)
 
 
 def rank() -> int:
     """Global rank of this process."""
-    return state.require("mp.rank()").rank
+    return state.require("mp.rank()").context.rank
 
 
 def size() -> int:
     """Number of processes in the job."""
-    return state.require("mp.size()").topology.world_size
+    return state.require("mp.size()").context.topology.world_size
 
 
 def local_rank() -> int:
     """Rank of this process among the processes on its host."""
-    return state.require("mp.local_rank()").local_rank
+    return state.require("mp.local_rank()").context.local_rank
 
 
 def local_size() -> int:
     """Number of processes on this host."""
-    return state.require("mp.local_size()").local_size
+    return state.require("mp.local_size()").context.local_size
 
 
 def pp_rank() -> int:
@@ -96,7 +96,7 @@ def mp_size() -> int:
 
 def get_process_group(group: CommGroup = WORLD) -> dist.ProcessGroup:
     """The torch.distributed ProcessGroup of this rank for ``group``."""
-    return state.require("process groups").process_group(group)
+    return state.require("process groups").context.process_group(group)
 
 
 def get_world_process_group() -> dist.ProcessGroup:
@@ -125,7 +125,7 @@ def get_mp_process_group() -> dist.ProcessGroup:
 
 def group_ranks(group: CommGroup) -> list[int]:
     """Global ranks of this process's ``group``, in group-rank order."""
-    s = state.require("group ranks")
+    s = state.require("group ranks").context
     return s.topology.group_ranks(s.rank, group)
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def model() -> DistributedModel | None:
-    return state.objects.get("model")  # type: ignore[return-value]
+    return state.objects.get("model")
 
 
 def set_model(model: DistributedModel) -> None:
@@ -24,7 +24,7 @@ def set_model(model: DistributedModel) -> None:
 
 
 def optimizer() -> DistributedOptimizer | None:
-    return state.objects.get("optimizer")  # type: ignore[return-value]
+    return state.objects.get("optimizer")
 
 
 def set_optimizer(optimizer: DistributedOptimizer) -> None:

@@ -45,7 +45,9 @@ class State:
     @property
     def context(self) -> ParallelContext:
         """The :class:`ParallelContext` of the current ``init()``."""
-        return self.require().context_or_none()  # type: ignore[return-value]
+        if self._context is None:
+            raise NotInitializedError("the parallel context")
+        return self._context
 
     def context_or_none(self) -> ParallelContext | None:
         return self._context
@@ -208,7 +210,7 @@ def _group_timeout(cfg: Config, timeout: datetime.timedelta | None,
     if cfg.collective_timeout != Config.__dataclass_fields__["collective_timeout"].default:
         return configured, True
     try:  # torch has no public getter; Backend.options._timeout is what new_group reads
-        backend = dist.group.WORLD._get_backend(torch.device(device_type))
+        backend = _world()._get_backend(torch.device(device_type))
         return backend.options._timeout, False
     except (RuntimeError, AttributeError):  # a backend that does not say
         return configured, False
@@ -236,10 +238,16 @@ def _set_timeouts(timeout: datetime.timedelta, mesh: Any, meshes: dict[str, Any]
 
 def _label_groups(meshes: dict[str, Any]) -> dict[str, str]:
     """Name every process group we made, for communication accounting."""
-    labels = {dist.group.WORLD.group_name: "world"}
+    labels: dict[str, str] = {_world().group_name: "world"}
     for name, mesh in meshes.items():  # mesh dims come last: the most specific label wins
         labels[mesh.get_group().group_name] = name
     return labels
+
+
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    assert world is not None, "the default process group exists after init"
+    return world
 
 
 def reset() -> None:

@@ -32,7 +32,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: Collection[str] = (),
                                    "@mp.step function")
             if running_microbatch() is not None:
                 raise RuntimeError("@mp.step functions cannot call each other")
-            s = state.require("mp.step")
+            s = state.require("mp.step").context
             pieces = split_step_inputs(fn, args, kwargs, s.config.microbatches,
                                        non_split_inputs=non_split_inputs,
                                        input_split_axes=input_split_axes)

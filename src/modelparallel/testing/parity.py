@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,8 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter, unsharded and on CPU, under its original name (any wrapper)."""
     if not dist.is_initialized():
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    sd: dict[str, Any] = get_model_state_dict(model,
+                                              options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().cpu().clone() for k, v in sd.items()}
 
 
@@ -108,11 +110,11 @@ def parity_problems(result: TrainResult, reference: TrainResult, rtol: float = 1
         differ = sorted(set(result.params) ^ set(reference.params))
         problems.append(f"parameter names differ: {differ}")
     for name in sorted(set(result.params) & set(reference.params)):
-        a, b = result.params[name].float(), reference.params[name].float()
-        if a.shape != b.shape:
-            problems.append(f"{name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+        a_t, b_t = result.params[name].float(), reference.params[name].float()
+        if a_t.shape != b_t.shape:
+            problems.append(f"{name}: shape {tuple(a_t.shape)} vs {tuple(b_t.shape)}")
             continue
-        diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+        diff, scale = (a_t - b_t).abs().max().item(), b_t.abs().max().item()
         if not diff <= rtol * scale + atol:  # NaN fails
             problems.append(f"{name}: max difference {diff:.3e} > {rtol} x max |value| "
                             f"{scale:.3e} + {atol}")

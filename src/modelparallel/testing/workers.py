@@ -104,7 +104,7 @@ class WorkerGroup:
         self.env = env or {}
         self._procs: list[Any] = []
         self._conns: list[Any] = []
-        self._store = None
+        self._store: Any = None  # a TCPStore while the workers run
 
     def __enter__(self) -> WorkerGroup:
         self.start()

@@ -300,6 +300,7 @@ class KubernetesBackend(Backend):
                                 bufsize=1)
 
         def read() -> None:
+            assert proc.stdout is not None  # stdout=PIPE
             for line in proc.stdout:
                 self.lines.put((index, line.rstrip("\n")))
             proc.wait()

@@ -27,6 +27,7 @@ class InstanceProcess:
         self.reader.start()
 
     def _read(self, lines: queue.Queue, tag: Any) -> None:
+        assert self.proc.stdout is not None  # started with stdout=PIPE
         for line in self.proc.stdout:
             line = line.rstrip("\n")
             lines.put(line if tag is None else (tag, line))

@@ -96,20 +96,20 @@ class RayBackend(Backend):
             bundle["GPU"] = float(self.options["gpus_per_instance"])
         # distinct nodes where the cluster has enough; else all on one (a local cluster)
         self.strategy = "STRICT_SPREAD" if len(nodes) >= spec.instance_count else "PACK"
-        self.pg = placement_group([dict(bundle)] * spec.instance_count,
-                                  strategy=self.strategy)
+        self.pg = pg = placement_group([dict(bundle)] * spec.instance_count,
+                                       strategy=self.strategy)
         timeout = float(self.options.get("placement_timeout_s", 120))
         try:
-            ray.get(self.pg.ready(), timeout=timeout)
+            ray.get(pg.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(
                 f"Ray could not place {spec.instance_count} instance(s) of {bundle} with "
                 f"{self.strategy} within {timeout:g}s ({len(nodes)} alive node(s)); add "
                 f"nodes or lower cpus_per_instance/gpus_per_instance") from None
-        actors = [InstanceActor.options(
+        actors = [InstanceActor.options(  # type: ignore[attr-defined]  # a Ray actor class
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=i)).remote()
+                placement_group=pg, placement_group_bundle_index=i)).remote()
             for i in range(spec.instance_count)]
         ips = ray.get([a.node_ip.remote() for a in actors], timeout=timeout)
         if len(set(ips)) == len(ips):  # instances numbered in address order (c10d's)

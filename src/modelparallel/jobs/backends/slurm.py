@@ -120,6 +120,7 @@ class SlurmBackend(Backend):
         if now - self.last_state_check < STATE_POLL_S or self.state in ENDED:
             return
         self.last_state_check = now
+        assert self.job_id is not None  # set by start()
         done = subprocess.run(["scontrol", "show", "job", "-o", self.job_id],
                               capture_output=True, text=True, timeout=60)
         match = re.search(r"JobState=(\S+)", done.stdout)

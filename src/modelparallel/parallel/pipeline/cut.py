@@ -162,7 +162,8 @@ class Stub(nn.Module):
             cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
             return torch.empty_like(p, device="meta", dtype=cast)
 
-        memo = {id(p): nn.Parameter(meta(p), p.requires_grad) for p in original.parameters()}
+        memo: dict[int, torch.Tensor] = {id(p): nn.Parameter(meta(p), p.requires_grad)
+                                         for p in original.parameters()}
         memo |= {id(b): torch.empty_like(b, device="meta") for b in original.buffers()}
         self.__dict__["_meta"] = _without_hooks(copy.deepcopy(original, memo))
         self.__dict__["_on_call"] = on_call
@@ -211,5 +212,6 @@ def swap_module(model: nn.Module, path: str, replacement: nn.Module) -> nn.Modul
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     original = parent._modules[name]
+    assert original is not None, f"{path} is not a module"
     parent._modules[name] = replacement
     return original

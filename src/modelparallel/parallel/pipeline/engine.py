@@ -4,7 +4,7 @@ At the first step (as SMP v1): without a pipeline the model is parallelized whol
 (its repeated blocks and the root as FSDP units); with ``pipeline_parallel_degree`` > 1
 one microbatch is traced, the layers are balanced over the stages (or placed by
 ``mp.partition`` / ``mp.set_partition``: :data:`PARTITION_ATTR`), every rank keeps only
-its stages' parameters, and :func:`compose.parallelize` applies tensor parallelism,
+its stages' parameters, and :func:`parallelize.parallelize` applies tensor parallelism,
 activation checkpointing, the precision policy and data parallelism to what it holds.
 Then every step runs its microbatches through a :class:`StageRunner` on the configured
 schedule, and :class:`GradientSync` reduces the gradients.
@@ -24,8 +24,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from modelparallel.context import ParallelContext
+from modelparallel.parallel import parallelize
 from modelparallel.parallel.blocks import find_blocks
-from modelparallel.parallel.pipeline import compose, cut, schedules
+from modelparallel.parallel.pipeline import cut, schedules
 from modelparallel.parallel.pipeline import partition as balancing
 from modelparallel.parallel.pipeline.gradients import GradientSync, shared_parameters
 from modelparallel.parallel.pipeline.record import Event, ScheduleRecorder
@@ -128,19 +129,20 @@ class PipelineEngine:
                                   + [""])
                 self._finish_partition()
             self.gradients.before_step()
-            results = [self._run_direct(mb, len(microbatches)) for mb in microbatches]
+            direct = [self._run_direct(mb, len(microbatches)) for mb in microbatches]
             self.gradients.after_step(self.local_parameters())
-            return results
+            return direct
         for mb in microbatches:
             kind, _ = mb.start()
             if kind != "call":
                 raise RuntimeError("the step function returned without calling the model")
         if not self.partitioned:
-            self._partition(microbatches[0].model_inputs)
+            self._partition(_inputs(microbatches[0]))
         self.gradients.before_step()
         for mb in microbatches:
             mb.scale = self._loss_scale() / len(microbatches)
         runner = self._runner(microbatches)
+        results: list[Any] | None
         if self.events is None:
             results = runner.run(microbatches)
         else:
@@ -152,7 +154,7 @@ class PipelineEngine:
 
     def _runner(self, microbatches: list[Microbatch]) -> StageRunner:
         train = torch.is_grad_enabled()
-        key = (train, _signature(microbatches[0].model_inputs), len(microbatches))
+        key = (train, _signature(_inputs(microbatches[0])), len(microbatches))
         if key not in self._runners:
             c = self.ctx.config
             assert self.split is not None
@@ -169,9 +171,10 @@ class PipelineEngine:
         kind, value = mb.start()
         while kind != "done":
             if kind == "call":
-                args, kwargs = mb.model_inputs
+                args, kwargs = _inputs(mb)
                 kind, value = mb.resume(("output", self.module(*args, **kwargs)))
             elif kind == "backward":
+                assert mb.loss is not None  # the step function called model.backward
                 (mb.loss.float() * mb.scale).backward()
                 kind, value = mb.resume(("continue", None))
         return value
@@ -241,7 +244,7 @@ class PipelineEngine:
     def _parallelize(self, units: list[str]) -> None:
         """Tensor parallelism, then FSDP on ``units``; remember replaced parameters."""
         before = dict(self.module.named_parameters(remove_duplicate=False))
-        done = compose.parallelize(self.module, units, self.ctx)
+        done = parallelize.parallelize(self.module, units, self.ctx)
         self.gradients.fsdp, self.gradients.tp_replicas = done.fsdp, done.tp_replicas
         after = dict(self.module.named_parameters(remove_duplicate=False))
         self.replaced = {id(before[n]): p for n, p in after.items() if p is not before[n]}
@@ -266,6 +269,12 @@ class PipelineEngine:
     def _finish_partition(self) -> None:
         self.partitioned = True
         self._on_partitioned()
+
+
+def _inputs(mb: Microbatch) -> tuple[tuple, dict]:
+    """The model inputs of a microbatch whose step function has called the model."""
+    assert mb.model_inputs is not None, "the step function has not called the model yet"
+    return mb.model_inputs
 
 
 def _sum_costs(costs: dict[str, tuple[float, float]]) -> tuple[float, float]:

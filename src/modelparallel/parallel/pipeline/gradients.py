@@ -80,8 +80,9 @@ class GradientSync:
             params = dict(self.module.named_parameters(remove_duplicate=False))
             for _, names in self.shared:
                 for name in names:
-                    if params[name].grad is not None:
-                        self._shared_before[name] = params[name].grad
+                    grad = params[name].grad
+                    if grad is not None:
+                        self._shared_before[name] = grad
                         params[name].grad = None
         if self.passes_per_sync > 1:
             sync = self.syncs_this_step()
@@ -107,8 +108,8 @@ class GradientSync:
         for group, names in self.shared:
             all_reduce_grads([params[n] for n in names], group)
         for name, before in self._shared_before.items():  # what earlier steps summed
-            params[name].grad = before if params[name].grad is None else \
-                params[name].grad + before
+            grad = params[name].grad
+            params[name].grad = before if grad is None else grad + before
         self._shared_before = {}
         group = replicas.data_parallel_group(self.ctx, self.tp_replicas)
         size = dist.get_world_size(group)

@@ -69,11 +69,12 @@ def split_step_inputs(
         if i < len(positional):
             pname, path = positional[i], f"'{positional[i]}'"
         else:  # bind() succeeded, so the surplus goes to *args
+            assert var_positional is not None  # bind() succeeded
             pname, path = var_positional, f"'{var_positional}'[{i - len(positional)}]"
         per_arg.append(split_arg(value, (pname,), path))
     per_kwarg: dict[str, list[Any]] = {}
     for key, value in kwargs.items():
-        names = (key,) if key in sig.parameters else (key, var_keyword)
+        names = (key,) if key in sig.parameters or var_keyword is None else (key, var_keyword)
         per_kwarg[key] = split_arg(value, names, f"'{key}'")
 
     return [
@@ -137,7 +138,8 @@ def _split(obj: Any, axis: int, mb: int, path: str, fn_name: str) -> list[Any]:
         check_microbatches(obj.size(axis), mb, where=f"argument {path} of {fn_name}")
         return list(obj.tensor_split(mb, dim=axis))  # exactly mb views, even when empty
     if isinstance(obj, (list, tuple)):
-        label = (lambda i: f".{obj._fields[i]}") if _is_namedtuple(obj) else (lambda i: f"[{i}]")
+        fields: Any = getattr(obj, "_fields", ())  # a namedtuple's field names
+        label = (lambda i: f".{fields[i]}") if _is_namedtuple(obj) else (lambda i: f"[{i}]")
         parts = [_split(v, axis, mb, path + label(i), fn_name) for i, v in enumerate(obj)]
         if _untouched(obj, parts):
             return [obj] * mb

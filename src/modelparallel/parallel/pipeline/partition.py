@@ -247,9 +247,9 @@ def _most_even(prefix: list[float], extra: list[float], limit: float) -> list[in
     n, stages = len(prefix) - 1, len(extra)
     s = np.asarray(prefix)
     best = [np.full(n + 1, np.inf) for _ in range(stages)]
-    for a in range(stages - 1, n):
-        if _fits(prefix, extra, limit, stages - 1, a, n):
-            best[-1][a] = float((n - a) ** 2)
+    for last in range(stages - 1, n):
+        if _fits(prefix, extra, limit, stages - 1, last, n):
+            best[-1][last] = float((n - last) ** 2)
     for k in range(stages - 2, -1, -1):
         cap = n - (stages - 1 - k)  # stage k must end by here
         a = np.arange(k, cap)

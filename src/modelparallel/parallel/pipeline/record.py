@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -66,7 +66,7 @@ class ScheduleRecorder:
     are not billed to the op; this serializes a little and costs some speed while on.
     """
 
-    def __init__(self, stages: list[_PipelineStageBase], rank: int):
+    def __init__(self, stages: Sequence[_PipelineStageBase], rank: int):
         self.stages = list(stages)
         self.rank = rank
         self.events: list[Event] = []

@@ -49,6 +49,7 @@ class Microbatch:
         self.index = index
         self.model_inputs: tuple[tuple, dict] | None = None
         self.loss: torch.Tensor | None = None
+        self.results: tuple[str, Any] | None = None  # the last stage's (kind, value) at the end
         self.scale = 1.0  # of the loss in backward: 1 / microbatches
         self._call = (fn, args, kwargs, torch.is_grad_enabled())
         self._greenlet = _Greenlet(self._run)
@@ -166,7 +167,9 @@ class StageRunner:
 
     def _inputs(self, mb: torch.Tensor) -> tuple[tuple, dict, bool]:
         i = self._index(mb)
-        return (*self.microbatches[0 if i is None else i].model_inputs, i is not None)
+        inputs = self.microbatches[0 if i is None else i].model_inputs
+        assert inputs is not None, "the step function has not called the model yet"
+        return (*inputs, i is not None)
 
     def _output(self, mb: torch.Tensor, output: Any) -> torch.Tensor:
         i = self._index(mb)
@@ -187,6 +190,7 @@ class StageRunner:
         kind, _ = mb.resume(("output", self.outputs.pop(i)))
         if kind == "backward":  # the rest of the step function runs after the schedule
             # the mean over microbatches, as one process (times the fp16 loss scale)
+            assert mb.loss is not None  # model.backward(loss) was called
             return mb.loss.float() * mb.scale
         raise RuntimeError("the step function returned without calling model.backward(loss) "
                            "while gradients are enabled; call model.backward(loss), or run "
@@ -201,7 +205,7 @@ class StageRunner:
             for mb in microbatches:
                 mb.resume(("stop", None))
             return None
-        return [mb.results[1] for mb in microbatches]
+        return [mb.results[1] if mb.results is not None else None for mb in microbatches]
 
     def _run_round(self, microbatches: list[Microbatch]) -> None:
         self.microbatches = microbatches

@@ -45,6 +45,7 @@ class StageModule(nn.Module):
                  on_output: Callable[[torch.Tensor, object], torch.Tensor]):
         super().__init__()
         self.__dict__["model"] = model  # not a child: parameters() stay empty
+        self.model: nn.Module  # (the attribute set above, for the type checker)
         self.stage = stage
         self.is_last = stage == split.stages - 1
         held = set(split.modules_of(stage))
@@ -104,7 +105,10 @@ class StageModule(nn.Module):
         if flow is not None:
             self.checked = True
             self._check_no_leak(flow, result)
-        return self._on_output(mb, out) if self.is_last else result
+        if self.is_last:
+            return self._on_output(mb, out)
+        assert isinstance(result, torch.Tensor)  # checked above
+        return result
 
     def _stood_in(self, flow: DataFlow, path: str, out: object) -> None:
         flow.mark(out)

@@ -6,7 +6,7 @@ MLPs column-then-row, embeddings vocabulary-parallel, the LM head column-paralle
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -34,6 +34,6 @@ def shared_input(**kwarg_names: None) -> PrepareModuleInput:
     """One DTensor input for layers that read the same activation (q, k and v): their
     input gradients add up first and are all-reduced once, not once per layer."""
     if kwarg_names:  # the module is called with keyword arguments (Hugging Face)
-        layouts = {name: Replicate() for name in kwarg_names}
+        layouts: dict[str, Placement] = {name: Replicate() for name in kwarg_names}
         return PrepareModuleInput(input_kwarg_layouts=layouts, desired_input_kwarg_layouts=layouts)
     return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))

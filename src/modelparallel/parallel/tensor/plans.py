@@ -13,6 +13,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -52,7 +53,9 @@ class TPPlan:
 
 
 PlanLike = TPPlan | Mapping[str, ParallelStyle] | ParallelStyle
-PlanFactory = Callable[[nn.Module, TPOptions], PlanLike]
+# (module, options) -> plan; modules are typed loosely: Hugging Face classes are named,
+# not imported, and their attributes are read by name
+PlanFactory = Callable[[Any, TPOptions], PlanLike]
 
 
 def as_plan(plan: PlanLike) -> TPPlan:
@@ -128,16 +131,16 @@ def tensor_parallelism(enabled: bool = True) -> Iterator[None]:
     _context.enabled = enabled
     original_init = nn.Module.__init__
 
-    def marking_init(self, *args, **kwargs):
+    def marking_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         if getattr(_context, "enabled", None) is not None:
             setattr(self, _ENABLED_ATTR, _context.enabled)
 
-    nn.Module.__init__ = marking_init
+    nn.Module.__init__ = marking_init  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.__init__ = original_init
+        nn.Module.__init__ = original_init  # type: ignore[method-assign]
         _context.enabled = previous
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -51,6 +51,7 @@ def splits_local_output(style: ParallelStyle) -> bool | None:
     """Whether a styled module returns a plain tensor holding only this rank's part of
     the activation (True), the whole activation (False), or None: a style we do not
     know, whose output keeps the marks the data flow gives it."""
+    layouts: tuple[Placement, ...] | Placement | None
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
         layouts, local = style.output_layouts, style.use_local_output
     elif isinstance(style, PrepareModuleOutput):
@@ -141,12 +142,16 @@ class SplitRegions:
     def _left(self, module: nn.Module, args: Any, output: Any) -> None:
         self.running.pop()  # a hook's return value would replace the output
 
+    def _flow(self) -> DataFlow:
+        assert self.flow is not None, "called by the data flow while it runs"
+        return self.flow
+
     # -- an op reads a split activation ------------------------------------------------
     def _wrap_replicated(self, func: Any, flat: list[Any]) -> list[Any]:
         out = []
         for t in flat:
             if (isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
-                    and t.requires_grad and not self.flow.is_marked(t)
+                    and t.requires_grad and not self._flow().is_marked(t)
                     and self._make_static(t, func)):
                 t = self._sum(t)
             out.append(t)

@@ -51,6 +51,7 @@ class RNGStreams:
         cpu, cuda = states
         torch.set_rng_state(cpu)
         if cuda is not None:
+            assert self.device is not None  # a CUDA state is taken only with a CUDA device
             torch.cuda.set_rng_state(cuda, self.device)
 
     def enter(self, stream: str) -> None:

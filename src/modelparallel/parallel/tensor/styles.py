@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import types
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -77,25 +78,26 @@ class FusedColwiseConv1D(ColwiseParallel):
         self.chunks = chunks
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        chunks, nx, nf = self.chunks, module.weight.shape[0], module.weight.shape[1]
+        layer: Any = module  # transformers' Conv1D: weight (nx, nf), bias (nf)
+        chunks, nx, nf = self.chunks, layer.weight.shape[0], layer.weight.shape[1]
         if nf % chunks:
             raise ValueError(f"fused width {nf} does not split into {chunks} chunks")
         width = nf // chunks
-        weight = module.weight.detach().view(nx, chunks, width)
-        bias = module.bias.detach().view(chunks, width)
+        weight = layer.weight.detach().view(nx, chunks, width)
+        bias = layer.bias.detach().view(chunks, width)
         src = self.src_data_rank
         module.register_parameter("weight", nn.Parameter(
             _distribute(weight, device_mesh, [Shard(2)], src_data_rank=src)))
         module.register_parameter("bias", nn.Parameter(
             _distribute(bias, device_mesh, [Shard(1)], src_data_rank=src)))
-        module.forward = types.MethodType(_fused_forward, module)
-        module._mp_stored_shapes = {"weight": (nx, chunks, width), "bias": (chunks, width)}
+        layer.forward = types.MethodType(_fused_forward, module)
+        layer._mp_stored_shapes = {"weight": (nx, chunks, width), "bias": (chunks, width)}
         module.register_state_dict_post_hook(partial(_fused_state_dict, nf=nf))
         module.register_load_state_dict_pre_hook(_fused_load_state_dict)
         return module
 
 
-def _fused_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _fused_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     weight, bias = self.weight, self.bias  # DTensors on the TP mesh (gathered by FSDP if any)
     mesh = weight.device_mesh
     # Identity forward, all-reduce of the input gradient backward (Megatron's "f").

@@ -144,7 +144,10 @@ def tp_ranks_are_replicas(model: nn.Module, tp: int) -> bool:
 def find_plans(model: nn.Module, options: TPOptions) -> list[_Found]:
     """The plan of every module to split, outermost first; raises ``ConfigError`` if the
     degree does not divide a size a plan splits, or a plan cannot honour the options."""
-    found, problems, claimed, skipped = [], [], set(), []
+    found: list[_Found] = []
+    problems: list[tuple[str, str]] = []
+    claimed: set[int] = set()
+    skipped: list[str] = []
     for path, module in model.named_modules():
         if any(path == p or path.startswith(p + ".") for p in skipped):
             continue

@@ -307,8 +307,9 @@ def full_cases(seed: int = 0) -> list[Case]:
             pick = {a: rng.choice(opts[a]) for a in axes}
             for _ in range(2):  # coordinate ascent: each axis to its best value (ties at
                 for a in rng.sample(axes, len(axes)):  # random, so values keep varying)
-                    pick[a] = max(opts[a], key=lambda v, a=a: (
-                        _gain({**pick, a: v}, covered), rng.random()))
+                    def score(v: Any, a: str = a, pick: dict[str, Any] = pick) -> tuple[int, float]:
+                        return _gain({**pick, a: v}, covered), rng.random()
+                    pick[a] = max(opts[a], key=score)
             gain = _gain(pick, covered)
             if gain > best_gain:
                 best, best_gain = dict(pick), gain

@@ -194,8 +194,8 @@ class PathRun:
             optim = _v1_optimizer_state(self.model, self.optimizer)
         else:
             options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-            params = {k: v.detach().cpu() for k, v in
-                      get_model_state_dict(self.model, options=options).items()}
+            full: dict[str, Any] = get_model_state_dict(self.model, options=options)
+            params = {k: v.detach().cpu() for k, v in full.items()}
             optim = {k: v.detach() for k, v in states.optimizer_state(
                 self.model, self.optimizer, full=True, every_rank=True).items()
                 if isinstance(v, torch.Tensor)}
@@ -327,7 +327,7 @@ def _wrap_v2(case: Case, mp, model: nn.Module) -> nn.Module:
     return wrapped
 
 
-def _no_sync(model: nn.Module, skip: bool):
+def _no_sync(model: Any, skip: bool) -> contextlib.AbstractContextManager:
     """A context in which backward accumulates without reducing over data-parallel ranks."""
     if not skip:
         return contextlib.nullcontext()

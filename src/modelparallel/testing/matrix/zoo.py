@@ -9,6 +9,7 @@ Face models are wrapped in :class:`Logits` so every model maps inputs to logits.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,11 +86,12 @@ def build(model: str, layers: int, dropout: bool, seed: int = 0) -> nn.Module:
 def _hf(model: str, layers: int, p: float) -> nn.Module:
     import transformers as T
 
-    common = dict(vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=2 * SEQ,
-                  use_cache=False)
+    common: dict[str, Any] = dict(vocab_size=VOCAB, num_hidden_layers=layers,
+                                  max_position_embeddings=2 * SEQ, use_cache=False)
     # grouped-query attention: 16 query heads share 8 key/value heads (head size 4)
-    gqa = dict(common, hidden_size=64, intermediate_size=128, num_attention_heads=16,
-               num_key_value_heads=8, attention_dropout=p)
+    gqa: dict[str, Any] = dict(common, hidden_size=64, intermediate_size=128,
+                               num_attention_heads=16, num_key_value_heads=8,
+                               attention_dropout=p)
     if model == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=8, n_positions=2 * SEQ,
@@ -105,12 +107,15 @@ def _hf(model: str, layers: int, p: float) -> nn.Module:
     if model == "hf-vit":
         return T.ViTForImageClassification(T.ViTConfig(
             image_size=IMAGE, patch_size=4, hidden_size=32, num_hidden_layers=layers,
-            num_attention_heads=8, intermediate_size=64, num_labels=CLASSES,
+            num_attention_heads=8, intermediate_size=64,
+            num_labels=CLASSES,  # type: ignore[call-arg]  # PretrainedConfig's keyword
             hidden_dropout_prob=p, attention_probs_dropout_prob=p))
     if model == "neox":
         return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
             **common, hidden_size=32, intermediate_size=128, num_attention_heads=8,
-            rotary_pct=1.0, hidden_dropout=p, attention_dropout=p))
+            rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                             "rope_type": "default"},
+            hidden_dropout=p, attention_dropout=p))
     raise ValueError(f"unknown model {model!r}")
 
 

@@ -1,16 +1,29 @@
-"""Tensor and sharded data parallelism on the modules a pipeline rank holds (3D).
+"""One order for turning what a rank holds into its parallel form.
 
-Order as DESIGN.md: split into stages first (the caller), then tensor parallelism (with
-the precision policy), activation checkpointing, and FSDP2 units bottom-up on what this
-rank holds. Modules of other stages keep meta parameters and are never run here (stubs
-stand in for them).
+:func:`parallelize` applies, in this order:
+
+1. placement on the rank's device, and every replica starts from the first
+   data-parallel rank's values (``replicas.synchronize``, as SMP v1 broadcasts);
+2. tensor parallelism per the model's plans, with the precision policy
+   (``tensor.transform``);
+3. activation checkpointing of the modules marked for it (``activation``);
+4. data parallelism: FSDP2 units bottom-up (``sharding.fully_shard_units``) when the
+   configuration shards, else nothing here: the caller's gradient rule averages the
+   replicas (``pipeline.gradients.GradientSync``).
+
+The SMP v1 ``DistributedModel`` (through the pipeline engine, on the modules a
+pipeline rank holds; other stages' modules keep meta parameters and stubs stand in for
+them) runs all of it at the first step. SMP v2 scripts run the same steps one call at a
+time: ``mp.transform`` is step 2, and ``mp.shard`` / ``mp.replicate`` / the FSDP1 hook
+are step 4 (each starting with step 1's synchronisation). Where gradients are
+averaged is decided in one place for all of them: ``replicas.data_parallel_group``
+(docs/architecture.md#gradients).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -90,8 +103,3 @@ def _retie(tied: list[list[tuple[nn.Module, str]]], sharded: set[int]) -> None:
         if owner is not None:
             for module, name in users:
                 setattr(module, name, getattr(*owner))
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor (DTensor or plain)."""
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -1,4 +1,5 @@
-"""Data loading keyed by the data-parallel rank: one model replica, one stream of samples."""
+"""Data loading keyed by the data-parallel rank: one model replica, one stream of samples
+(``mp.data``), and data that ships with Python for the examples (``datasets``)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def replica_rank_and_size() -> tuple[int, int]:
     same samples; with ``prescaled_batch`` the ranks of a tensor-parallel group read
     the same samples too, ``(rdp_rank, rdp_size)``.
     """
-    s = state.require("mp.data")
+    s = state.require("mp.data").context
     group = CommGroup.RDP_GROUP if s.config.prescaled_batch else CommGroup.DP_GROUP
     return s.topology.rank_in(s.rank, group), s.topology.size_of(group)
 
@@ -72,7 +73,7 @@ class DataLoader(tud.DataLoader):
 
     def __init__(self, dataset: tud.Dataset, batch_size: int, *, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False, **kwargs: Any):
-        microbatches = state.require("mp.data.DataLoader").config.microbatches
+        microbatches = state.require("mp.data.DataLoader").context.config.microbatches
         check_microbatches(batch_size, microbatches, where=f"batch_size={batch_size}")
         sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
         last = len(sampler) % batch_size
@@ -89,7 +90,7 @@ class DataLoader(tud.DataLoader):
         if epoch != self.epoch:
             self.batches_taken = 0
         self.epoch = epoch
-        self.sampler.set_epoch(epoch)
+        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # our sampler
 
     def __iter__(self):
         self.sampler.skip = self.batches_taken * self.batch_size
