@@ -44,7 +44,7 @@ def hyperparameter_args(hps: dict[str, Any]) -> list[str]:
 
 def worker_environment(spec: JobSpec, index: int, channels: dict[str, str],
                        layout: JobLayout, code_dir: Path) -> dict[str, str]:
-    """The job contract: DESIGN.md's MP_* variables and the SM_* names scripts read."""
+    """The job contract (docs/jobs.md): the MP_* variables and the SM_* names scripts read."""
     inst = layout.instance(index)
     hosts = spec.hosts
     hps = json.dumps(spec.hyperparameters, sort_keys=True)
