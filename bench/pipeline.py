@@ -106,7 +106,7 @@ def _distributed_model(config: dict):
 
 
 def _check_split(model, stages: int) -> None:
-    split = model.engine.split
+    split = model.engine.layout.split
     expected = _starts(stages)
     if split.starts != expected:
         raise RuntimeError(f"split starts {split.starts}, placed {expected}")

@@ -18,7 +18,7 @@ from typing import Any
 from modelparallel import config_keys
 from modelparallel.config_files import read_config_file, unwrap
 from modelparallel.errors import ConfigError
-from modelparallel.parallel.pipeline import layout
+from modelparallel.parallel.pipeline import schedule_rules
 
 logger = logging.getLogger("modelparallel")
 
@@ -56,7 +56,8 @@ class Config:
                    "the right-most letter varies fastest over ranks")
     # -- pipeline --------------------------------------------------------------------
     microbatches: int = _key(1, "microbatches a batch is split into", minimum=1)
-    pipeline: str = _key("interleaved", "pipeline schedule", choices=layout.PIPELINE_SCHEDULES)
+    pipeline: str = _key("interleaved", "pipeline schedule",
+                         choices=schedule_rules.PIPELINE_SCHEDULES)
     virtual_stages: int | None = _key(
         None, "pipeline stages each rank holds (multi-stage schedules; default 2 for "
               "those, 1 otherwise)", minimum=1)
@@ -240,7 +241,7 @@ class Config:
         """Pipeline stages each rank holds: ``virtual_stages``, or the schedule's default."""
         if self.virtual_stages is not None:
             return self.virtual_stages
-        return layout.default_stages_per_rank(self.pipeline)
+        return schedule_rules.default_stages_per_rank(self.pipeline)
 
     @property
     def half_precision(self) -> str | None:
@@ -289,7 +290,7 @@ class Config:
                                       f"(world size {world_size} / {product} model-parallel "
                                       f"ranks); valid values: {valid}"))
             elif self.pipeline_parallel_degree > 1 and self.pipeline_shards(degree or dp):
-                problems += layout.check_sharded_stages(self.pipeline, degree or dp)
+                problems += schedule_rules.check_sharded_stages(self.pipeline, degree or dp)
         if problems:
             raise ConfigError(problems)
 
@@ -347,7 +348,7 @@ class Config:
                              f"are 0..{stages - 1} (pipeline_parallel_degree="
                              f"{self.pipeline_parallel_degree} x {self.stages_per_rank} "
                              "stages per rank)"))
-        problems.extend(layout.check_schedule(self.pipeline, self.stages_per_rank,
+        problems.extend(schedule_rules.check_schedule(self.pipeline, self.stages_per_rank,
                                               self.microbatches,
                                               self.pipeline_parallel_degree,
                                               self.active_microbatches))

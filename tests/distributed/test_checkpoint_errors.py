@@ -141,6 +141,30 @@ def test_save_on_some_ranks_is_an_error_not_a_hang(workers, tmp_path):
     assert workers(2).run(roundtrip_case, root=str(tmp_path / "after")) == [True, True]
 
 
+def uninitialized_case(root: str) -> dict[str, str]:
+    mp.reset()  # torch.distributed is up (the worker group's), modelparallel is not
+    model = small()
+    messages = {}
+    for name, call in [
+            ("smp", lambda: mp.save_checkpoint(root, "a", model=model)),
+            ("dcp", lambda: mp.checkpoint.save({"model": model.state_dict()}, checkpoint_id=root))]:
+        try:
+            call()
+            messages[name] = "no error"
+        except RuntimeError as e:
+            messages[name] = str(e)
+    return messages
+
+
+def test_checkpoint_before_init_names_the_missing_call(workers, tmp_path):
+    for messages in workers(2).run(uninitialized_case, root=str(tmp_path / "ckpt")):
+        assert messages["smp"] == ("modelparallel is not initialized: call mp.init(config) "
+                                   "before using mp.save_checkpoint")
+        assert messages["dcp"] == ("modelparallel is not initialized: call mp.init(config) "
+                                   f"before mp.checkpoint.save('{tmp_path / 'ckpt'}') on 2 ranks")
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
 def roundtrip_case(root: str) -> bool:
     model, optimizer = setup()
     train_one(model, optimizer)

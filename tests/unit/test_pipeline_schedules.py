@@ -4,7 +4,7 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from modelparallel.config import Config, ConfigError
-from modelparallel.parallel.pipeline.layout import PIPELINE_SCHEDULES
+from modelparallel.parallel.pipeline.schedule_rules import PIPELINE_SCHEDULES
 from modelparallel.parallel.pipeline.schedules import (
     CLASSES,
     rank_of_stage,

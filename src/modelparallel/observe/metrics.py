@@ -109,22 +109,22 @@ class StepMetrics:
         rec.step_time_s = time.perf_counter() - start
         self._finish(s, rec, counter, cuda)
 
-    def _finish(self, s: ParallelContext, rec: StepRecord, counter: CollectiveCounter | None,
+    def _finish(self, ctx: ParallelContext, rec: StepRecord, counter: CollectiveCounter | None,
                 cuda: bool) -> None:
         rec.samples_per_s = rec.samples / rec.step_time_s
         if rec.tokens is not None:
             rec.tokens_per_s = rec.tokens / rec.step_time_s
         if cuda:
-            rec.peak_memory_bytes, rec.memory_kind = torch.cuda.max_memory_allocated(s.device), \
+            rec.peak_memory_bytes, rec.memory_kind = torch.cuda.max_memory_allocated(ctx.device), \
                 "cuda"
         else:
             rec.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if counter is not None:
             rec.comm_bytes, rec.comm_calls = dict(counter.bytes), dict(counter.calls)
         if rec.loss is not None:
-            rec.loss = _mean_over_data_parallel(rec.loss, s)
+            rec.loss = _mean_over_data_parallel(rec.loss, ctx)
         self.records.append(rec)
-        if s.rank == 0:
+        if ctx.rank == 0:
             if rec.step % self.print_every == 0 or rec.step == 1:
                 self.printer(rec.format())
             if self.jsonl is not None:
@@ -133,10 +133,10 @@ class StepMetrics:
                     f.write(json.dumps(asdict(rec)) + "\n")
 
 
-def _mean_over_data_parallel(loss: Any, s: ParallelContext) -> float:
+def _mean_over_data_parallel(loss: Any, ctx: ParallelContext) -> float:
     value = torch.as_tensor(loss.detach() if isinstance(loss, torch.Tensor) else loss,
-                            dtype=torch.float64, device=s.device).reshape(())
-    group = s.process_group(CommGroup.DP_GROUP)
+                            dtype=torch.float64, device=ctx.device).reshape(())
+    group = ctx.process_group(CommGroup.DP_GROUP)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(value, group=group)
         value /= dist.get_world_size(group)

@@ -75,7 +75,7 @@ def holds_tensor_parallel(module: nn.Module) -> bool:
                for p in module.parameters())
 
 
-def fsdp1_arguments(s: ParallelContext, arguments: dict[str, Any], *,
+def fsdp1_arguments(ctx: ParallelContext, arguments: dict[str, Any], *,
                     split: bool = False) -> dict[str, Any]:
     """The FSDP1 constructor arguments after applying the hybrid sharding policy.
 
@@ -83,16 +83,16 @@ def fsdp1_arguments(s: ParallelContext, arguments: dict[str, Any], *,
     args = dict(arguments)
     if not torch.cuda.is_available() and args.get("device_id") is None:
         args["device_id"] = torch.device("cpu")
-    _apply_precision(s.config, args)
+    _apply_precision(ctx.config, args)
     if args.get("process_group") is not None or args.get("device_mesh") is not None:
         return args  # the script chose its own groups
-    cfg, topo = s.config, s.topology
+    cfg, topo = ctx.config, ctx.topology
     if cfg.hybrid_shard_degree == 0 and cfg.sharded_data_parallel_degree <= 1 and topo.tp == 1:
         return args  # SMP v2: 0 means PyTorch's own behaviour
     asked = args.get("sharding_strategy")
     no_shard = split and asked is _S.NO_SHARD  # cannot hold tensor-parallel DTensors
-    strategy, groups = _layout(s, None if no_shard else asked, split)
-    if asked not in (None, strategy) and s.rank == 0:
+    strategy, groups = _layout(ctx, None if no_shard else asked, split)
+    if asked not in (None, strategy) and ctx.rank == 0:
         why = "FSDP1's NO_SHARD cannot hold tensor-parallel parameters" if no_shard else \
             f"to follow hybrid_shard_degree={topo.dp_shard}" + (
                 "" if split or topo.tp == 1 else
@@ -103,36 +103,36 @@ def fsdp1_arguments(s: ParallelContext, arguments: dict[str, Any], *,
     return args
 
 
-def _layout(s: ParallelContext, asked: ShardingStrategy | None,
+def _layout(ctx: ParallelContext, asked: ShardingStrategy | None,
             split: bool) -> tuple[ShardingStrategy, dict[str, Any]]:
     """The strategy and the groups: meshes where one has the dims (FSDP1 finds the mesh of
     tensor-parallel DTensor parameters through the data-parallel mesh's root)."""
-    topo = s.topology
+    topo = ctx.topology
     replicas = topo.tp > 1 and not split  # TP ranks train a whole model on their own rows
-    unsharded = s.meshes["dp" if replicas else "rdp"]
+    unsharded = ctx.meshes["dp" if replicas else "rdp"]
     if topo.dp_shard == 1 and not split:
         return _S.NO_SHARD, {"device_mesh": unsharded}
     if topo.dp_replicate == 1 and not replicas:  # split models: even over one rank
-        return _TO_FLAT[asked], {"device_mesh": s.meshes["dp_shard"]}
+        return _TO_FLAT[asked], {"device_mesh": ctx.meshes["dp_shard"]}
     strategy = _TO_HYBRID[asked]
     if strategy is _S.NO_SHARD:
         return strategy, {"device_mesh": unsharded}
     if replicas:  # replicate over dp_replicate x tp: no mesh has that dimension
-        return strategy, {"process_group": (s.meshes["dp_shard"].get_group(),
-                                            _replicate_with_tp_group(s))}
-    return strategy, {"device_mesh": s.mesh["dp_replicate", "dp_shard"]}
+        return strategy, {"process_group": (ctx.meshes["dp_shard"].get_group(),
+                                            _replicate_with_tp_group(ctx))}
+    return strategy, {"device_mesh": ctx.mesh["dp_replicate", "dp_shard"]}
 
 
 _GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 
-def _replicate_with_tp_group(s: ParallelContext) -> dist.ProcessGroup:
+def _replicate_with_tp_group(ctx: ParallelContext) -> dist.ProcessGroup:
     """This rank's group over dp_replicate x tp, made once per layout (collective)."""
-    key = (s.topology, dist.group.WORLD)
+    key = (ctx.topology, dist.group.WORLD)
     if key not in _GROUPS:
-        ranks = s.topology.all_groups(("dp_replicate", "tp"))
+        ranks = ctx.topology.all_groups(("dp_replicate", "tp"))
         _GROUPS[key], _ = dist.new_subgroups_by_enumeration(ranks,
-                                                             timeout=s.collective_timeout)
+                                                             timeout=ctx.collective_timeout)
     return _GROUPS[key]
 
 

@@ -43,23 +43,23 @@ class Parallelized:
     tp_replicas: bool   # the tensor-parallel ranks hold the model whole: they are replicas
 
 
-def parallelize(model: nn.Module, units: list[str], s: ParallelContext) -> Parallelized:
+def parallelize(model: nn.Module, units: list[str], ctx: ParallelContext) -> Parallelized:
     """Start every replica from the first data-parallel rank's values, then tensor
     parallelism per the model's plans, activation checkpointing of the marked modules,
     the precision policy, and one FSDP unit per module path in ``units`` (``""`` = the
     root, last). Modules sharing a parameter (tied embeddings held on one rank) form
     one unit. Parameters are replaced by DTensors."""
     tied = tied_groups(model)
-    to_device(model, s.device)  # SMP v1 places each stage on its rank's device
-    replicas.synchronize(model, s)  # SMP v1 broadcasts from data-parallel rank 0
-    transform(model, s)
-    tp_replicas = tp_ranks_are_replicas(model, s.topology.tp)
+    to_device(model, ctx.device)  # SMP v1 places each stage on its rank's device
+    replicas.synchronize(model, ctx)  # SMP v1 broadcasts from data-parallel rank 0
+    transform(model, ctx)
+    tp_replicas = tp_ranks_are_replicas(model, ctx.topology.tp)
     apply_activation_checkpointing(model)
-    if not s.shards_pipeline_stages:
+    if not ctx.shards_pipeline_stages:
         return Parallelized(set(), tp_replicas)
     modules = [model.get_submodule(path) for path in units]
     units_of_tied = [group if len(group) > 1 else group[0] for group in _merge_tied(modules)]
-    fully_shard_units(units_of_tied, s, tp_replicas=tp_replicas)
+    fully_shard_units(units_of_tied, ctx, tp_replicas=tp_replicas)
     _retie(tied, {id(m) for unit in modules for m in unit.modules()})
     fsdp = {id(p) for path in units for p in model.get_submodule(path).parameters()
             if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names

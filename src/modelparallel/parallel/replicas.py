@@ -45,32 +45,32 @@ def broadcast_from_first(tensors: Iterable[torch.Tensor], group: dist.ProcessGro
                 offset += p.numel()
 
 
-def synchronize(model: nn.Module, s: ParallelContext) -> None:
+def synchronize(model: nn.Module, ctx: ParallelContext) -> None:
     """Every rank holding a part of ``model`` starts from the value of the first rank
     that holds the same part: tensor-parallel shards over the reduced data-parallel
     group, everything else over the data-parallel group (which includes the
     tensor-parallel ranks). Collective over the data-parallel group."""
     split = [t for t in [*model.parameters(), *model.buffers()] if isinstance(t, DTensor)]
     whole = [t for t in [*model.parameters(), *model.buffers()] if not isinstance(t, DTensor)]
-    broadcast_from_first(_unique(whole), s.process_group(CommGroup.DP_GROUP))
-    if s.topology.tp > 1:
-        broadcast_from_first(_unique(split), s.process_group(CommGroup.RDP_GROUP))
+    broadcast_from_first(_unique(whole), ctx.process_group(CommGroup.DP_GROUP))
+    if ctx.topology.tp > 1:
+        broadcast_from_first(_unique(split), ctx.process_group(CommGroup.RDP_GROUP))
 
 
 def _unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list({id(t): t for t in tensors}.values())
 
 
-def data_parallel_group(s: ParallelContext, tp_replicas: bool) -> dist.ProcessGroup:
+def data_parallel_group(ctx: ParallelContext, tp_replicas: bool) -> dist.ProcessGroup:
     """Where replicated gradients are averaged: the reduced data-parallel group, or the
     whole data-parallel group when the tensor-parallel ranks are replicas too."""
-    return s.process_group(CommGroup.DP_GROUP if tp_replicas else CommGroup.RDP_GROUP)
+    return ctx.process_group(CommGroup.DP_GROUP if tp_replicas else CommGroup.RDP_GROUP)
 
 
-def average_over_tp(s: ParallelContext) -> Callable[[torch.Tensor], None]:
+def average_over_tp(ctx: ParallelContext) -> Callable[[torch.Tensor], None]:
     """FSDP2 all-reduce hook: after FSDP's average over the data-parallel mesh, average
     the reduced gradient over the tensor-parallel ranks too (replicas of a whole model)."""
-    group = s.process_group(CommGroup.TP_GROUP)
+    group = ctx.process_group(CommGroup.TP_GROUP)
     size = dist.get_world_size(group)
 
     def hook(reduced: torch.Tensor) -> None:

@@ -33,40 +33,39 @@ def replicate(model: nn.Module, ctx: ParallelContext, **ddp_kwargs: Any) -> nn.M
     compute in that type with float32 parameters and gradients (with ``fp16``, scale
     the loss with :class:`mp.LossScaler`).
     """
-    s = ctx
-    _check_replicated_layout(s)
-    say_what_does_not_apply(s, "mp.replicate()")
+    _check_replicated_layout(ctx)
+    say_what_does_not_apply(ctx, "mp.replicate()")
     blocks = find_blocks(model)
-    if s.config.half_precision:
-        compute_in(model, HALF[s.config.half_precision], blocks)
-    if s.config.half_precision == "fp16":
+    if ctx.config.half_precision:
+        compute_in(model, HALF[ctx.config.half_precision], blocks)
+    if ctx.config.half_precision == "fp16":
         require_loss_scaling(model)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         if ddp_kwargs:
             raise TypeError(f"mp.replicate() of a tensor-parallel model takes no DDP arguments "
                             f"(got {sorted(ddp_kwargs)})")
-        replicas.synchronize(model, s)
-        mesh = s.meshes["rdp"]
+        replicas.synchronize(model, ctx)
+        mesh = ctx.meshes["rdp"]
         for block in blocks:
             replicate_dtensors(block, mesh=mesh)
         replicate_dtensors(model, mesh=mesh)
         return model
-    if s.device.type == "cuda":
-        ddp_kwargs.setdefault("device_ids", [s.device.index])
-        model = model.to(s.device)
-    group = replicas.data_parallel_group(s, tp_ranks_are_replicas(model, s.topology.tp))
+    if ctx.device.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [ctx.device.index])
+        model = model.to(ctx.device)
+    group = replicas.data_parallel_group(ctx, tp_ranks_are_replicas(model, ctx.topology.tp))
     ddp_kwargs.setdefault("process_group", group)
     return DistributedDataParallel(model, **ddp_kwargs)
 
 
-def _check_replicated_layout(s: ParallelContext) -> None:
+def _check_replicated_layout(ctx: ParallelContext) -> None:
     """Replicating where the configuration asks for sharding is refused, not ignored."""
-    c = s.config
+    c = ctx.config
     if c.sharded_data_parallel_degree > 1:
         raise ConfigError([("sharded_data_parallel_degree", (
             f"{c.sharded_data_parallel_degree} asks for sharded data parallelism, but "
             "mp.replicate() replicates; use mp.shard(), or drop the key"))])
     if c.hybrid_shard_degree >= 2:
         raise ConfigError([("hybrid_shard_degree", (
-            f"{c.hybrid_shard_degree} shards parameters over {s.topology.dp_shard} ranks, but "
+            f"{c.hybrid_shard_degree} shards parameters over {ctx.topology.dp_shard} ranks, but "
             "mp.replicate() replicates; use mp.shard(), or set hybrid_shard_degree to 1"))])

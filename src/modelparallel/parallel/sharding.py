@@ -26,15 +26,15 @@ def mixed_precision_policy(config: Config) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=HALF[half], reduce_dtype=torch.float32)
 
 
-def fully_shard_units(units: list[nn.Module | list[nn.Module]], s: ParallelContext, *,
+def fully_shard_units(units: list[nn.Module | list[nn.Module]], ctx: ParallelContext, *,
                       tp_replicas: bool, **fully_shard_kwargs) -> None:
     """``fully_shard`` each unit (a module, or modules sharing parameters) in order on the
     data-parallel mesh with the config's precision policy. When the tensor-parallel
     ranks are replicas of a whole model, FSDP's average also runs over them."""
-    fully_shard_kwargs.setdefault("mp_policy", mixed_precision_policy(s.config))
-    hook = replicas.average_over_tp(s) if tp_replicas else None
+    fully_shard_kwargs.setdefault("mp_policy", mixed_precision_policy(ctx.config))
+    hook = replicas.average_over_tp(ctx) if tp_replicas else None
     for unit in units:
-        sharded = fully_shard(unit, mesh=s.data_parallel_mesh(), **fully_shard_kwargs)
+        sharded = fully_shard(unit, mesh=ctx.data_parallel_mesh(), **fully_shard_kwargs)
         if hook is not None:
             assert isinstance(sharded, FSDPModule)
             sharded.set_all_reduce_hook(hook)
@@ -57,37 +57,36 @@ def shard(model: nn.Module, ctx: ParallelContext, *, blocks: BlockSpec = None,
     the loss with :class:`mp.LossScaler`. A model tensor parallelism did not split is
     trained by the tensor-parallel ranks as data-parallel replicas.
     """
-    s = ctx
-    say_what_does_not_apply(s)
-    replicas.synchronize(model, s)
+    say_what_does_not_apply(ctx)
+    replicas.synchronize(model, ctx)
     units = find_blocks(model, blocks)
-    if not units and s.rank == 0:
+    if not units and ctx.rank == 0:
         logger.warning("mp.shard(): found no repeated blocks in %s; the whole model is one "
                        "FSDP unit (pass blocks=[...] to choose them)", type(model).__name__)
     kwargs = dict(fully_shard_kwargs, reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    fully_shard_units([*units, model], s, tp_replicas=tp_ranks_are_replicas(model, s.topology.tp),
-                      **kwargs)
-    if s.config.half_precision == "fp16" and mp_policy is None:
+    fully_shard_units([*units, model], ctx,
+                      tp_replicas=tp_ranks_are_replicas(model, ctx.topology.tp), **kwargs)
+    if ctx.config.half_precision == "fp16" and mp_policy is None:
         require_loss_scaling(model)
     return model
 
 
-def say_what_does_not_apply(s: ParallelContext, call: str = "mp.shard()") -> None:
+def say_what_does_not_apply(ctx: ParallelContext, call: str = "mp.shard()") -> None:
     """One line each for keys that do nothing under mp.shard / mp.replicate (rank 0)."""
-    if s.rank != 0:
+    if ctx.rank != 0:
         return
-    if s.config.microbatches > 1:
+    if ctx.config.microbatches > 1:
         logger.warning("microbatches=%d has no effect on %s: it splits the batches of "
-                       "@mp.step functions (mp.DistributedModel)", s.config.microbatches, call)
+                       "@mp.step functions (mp.DistributedModel)", ctx.config.microbatches, call)
     if call != "mp.shard()":
         return
-    if s.config.ddp:
+    if ctx.config.ddp:
         logger.warning("ddp=True has no effect on mp.shard(), which shards with FSDP following "
                        "hybrid_shard_degree (ddp selects replicated data parallelism inside "
                        "mp.DistributedModel; mp.replicate() replicates)")
-    if s.config.sharded_data_parallel_degree > 1:
+    if ctx.config.sharded_data_parallel_degree > 1:
         logger.warning("sdp_gradient_clipping is applied by mp.DistributedOptimizer; with "
                        "mp.shard() clip yourself: mp.clip_grad_norm_(model, %s)",
-                       s.config.sdp_gradient_clipping)
+                       ctx.config.sdp_gradient_clipping)

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from modelparallel.parallel.pipeline.engine import PARTITION_ATTR, PipelineEngine
+from modelparallel.parallel.pipeline.engine import PipelineEngine
+from modelparallel.parallel.pipeline.layout import PARTITION_ATTR
 from modelparallel.parallel.pipeline.record import ScheduleRecording, gather_events
 from modelparallel.parallel.pipeline.runtime import current_microbatch
 from modelparallel.smp import registry

@@ -2,8 +2,8 @@
 
 At the first step (as SMP v1): without a pipeline the model is parallelized whole
 (its repeated blocks and the root as FSDP units); with ``pipeline_parallel_degree`` > 1
-one microbatch is traced, the layers are balanced over the stages (or placed by
-``mp.partition`` / ``mp.set_partition``: :data:`PARTITION_ATTR`), every rank keeps only
+one microbatch is traced, a :class:`PipelineLayout` places the layers on the stages
+(balanced, or as ``mp.partition`` / ``mp.set_partition`` say), every rank keeps only
 its stages' parameters, and :func:`parallelize.parallelize` applies tensor parallelism,
 activation checkpointing, the precision policy and data parallelism to what it holds.
 Then every step runs its microbatches through a :class:`StageRunner` on the configured
@@ -27,15 +27,13 @@ from modelparallel.context import ParallelContext
 from modelparallel.parallel import parallelize
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.pipeline import cut, schedules
-from modelparallel.parallel.pipeline import partition as balancing
 from modelparallel.parallel.pipeline.gradients import GradientSync, shared_parameters
+from modelparallel.parallel.pipeline.layout import PipelineLayout
 from modelparallel.parallel.pipeline.record import Event, ScheduleRecorder
 from modelparallel.parallel.pipeline.runtime import Microbatch, StageRunner
 from modelparallel.parallel.placement import is_meta
 from modelparallel.parallel.precision import HALF
 from modelparallel.topology import CommGroup
-
-PARTITION_ATTR = "_mp_partition"  # a module's pipeline stage, set by mp.partition
 
 
 class PipelineEngine:
@@ -52,8 +50,7 @@ class PipelineEngine:
         self.ctx = ctx
         self.pp = ctx.topology.pp
         self.partitioned = False
-        self.split: cut.Split | None = None
-        self.trace: cut.Trace | None = None
+        self.layout: PipelineLayout | None = None  # chosen at the first step
         self.gradients = GradientSync(module, ctx, passes_per_sync)
         # this rank's parameters by name, as wrapped (FSDP's sharded ones, which the
         # optimizer updates, even while FSDP has swapped in gathered ones)
@@ -85,12 +82,10 @@ class PipelineEngine:
 
     def held_modules(self, pp_rank: int | None = None) -> list[str]:
         """Paths of the modules a pipeline rank (default: this one) holds."""
-        if self.split is None:
+        if self.layout is None:
             return [""]
-        held: list[str] = []
-        for stage in self.stage_ids(pp_rank):
-            held += [m for m in self.split.modules_of(stage) if m not in held]
-        return held
+        return self.layout.held_modules(self.ctx.coordinate("pp") if pp_rank is None
+                                        else pp_rank)
 
     def local_modules(self) -> Iterator[nn.Module]:
         held = self.held_modules()
@@ -104,20 +99,11 @@ class PipelineEngine:
         return {k: v for k, v in self.module.state_dict().items()
                 if k in self.local or (k not in params and not is_meta(v))}
 
-    def stage_ids(self, pp_rank: int | None = None) -> list[int]:
-        """The pipeline stages a pipeline rank (default: this one) holds."""
-        c = self.ctx.config
-        rank = self.ctx.coordinate("pp") if pp_rank is None else pp_rank
-        return schedules.stages_of_rank(c.pipeline, rank, self.pp, c.stages_per_rank)
-
     def display_partition(self) -> str:
         """The stages, their layers and cost shares, as text."""
-        if self.split is None or self.trace is None:
+        if self.layout is None:
             return "not partitioned yet: the split happens at the first step"
-        t, split = self.trace, self.split
-        return balancing.describe(split.starts, split.layers, t.compute, t.memory,
-                                  split.before, split.after,
-                                  before=_sum_costs(t.before), after=_sum_costs(t.after))
+        return self.layout.describe()
 
     # -- the step --------------------------------------------------------------------
     def run_step(self, microbatches: list[Microbatch]) -> list[Any]:
@@ -156,10 +142,11 @@ class PipelineEngine:
         train = torch.is_grad_enabled()
         key = (train, _signature(_inputs(microbatches[0])), len(microbatches))
         if key not in self._runners:
-            c = self.ctx.config
-            assert self.split is not None
+            c, layout = self.ctx.config, self.layout
+            assert layout is not None
             self._runners[key] = StageRunner(
-                self.module, self.split, self.stage_ids(), self._stubs,
+                self.module, layout.split, layout.stage_ids(self.ctx.coordinate("pp")),
+                self._stubs,
                 self.ctx.process_group(CommGroup.PP_GROUP), self.ctx.device, c.pipeline,
                 schedules.round_size(c.pipeline, len(microbatches), self.pp,
                                      c.active_microbatches), train)
@@ -181,10 +168,10 @@ class PipelineEngine:
 
     def _from_last_stage(self, results: list[Any] | None) -> list[Any]:
         """SMP: the step's return values are on every rank of the pipeline."""
-        ctx, c = self.ctx, self.ctx.config
-        last_stage = self.pp * c.stages_per_rank - 1
-        last = ctx.topology.group_ranks(ctx.rank, CommGroup.PP_GROUP)[schedules.rank_of_stage(
-            c.pipeline, last_stage, self.pp, c.stages_per_rank)]
+        ctx = self.ctx
+        assert self.layout is not None
+        last = ctx.topology.group_ranks(ctx.rank, CommGroup.PP_GROUP)[
+            self.layout.last_stage_rank()]
         box = [None if results is None else pytree.tree_map(
             lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, results)]
         dist.broadcast_object_list(box, src=last, group=ctx.process_group(CommGroup.PP_GROUP))
@@ -199,47 +186,21 @@ class PipelineEngine:
         trace = cut.trace(self.module, args, kwargs)
         box = [trace]  # one rank's timings for all: every rank must choose the same split
         dist.broadcast_object_list(box, src=0)
-        self.trace = trace = box[0]
-        self.split = split = self._choose_split(trace)
+        self.layout = layout = PipelineLayout.choose(self.module, box[0], ctx.config, self.pp)
         held = self.held_modules()
-        everything = [*split.layers, *split.before,
-                      *[m for m in split.after if m not in split.before]]
+        everything = layout.all_modules()
         half = HALF.get(ctx.config.half_precision or "")
         self._stubs = {path: cut.Stub(self.module.get_submodule(path), None, half)
                        for path in everything}
         self.gradients.shared = shared_parameters(self.module, ctx, self.held_modules)
         self._free_other_stages(everything, held)
         # FSDP units: this rank's layers, then its outer modules (root parameters stay)
-        layers = [m for m in held if m in split.layers]
+        layers = [m for m in held if m in layout.split.layers]
         self._parallelize([*layers, *[m for m in held if m not in layers]])
         if ctx.rank == 0:
             print(f"modelparallel: pipeline partition ({ctx.config.pipeline} schedule)\n"
                   f"{self.display_partition()}", flush=True)
         self._finish_partition()
-
-    def _choose_split(self, trace: cut.Trace) -> cut.Split:
-        config = self.ctx.config
-        stages = self.pp * config.stages_per_rank
-        placed = {path: getattr(self.module.get_submodule(path), PARTITION_ATTR, None)
-                  for path in trace.layers}
-        before, after = list(trace.before), list(trace.after)
-
-        def outer_placed(names: set[str]) -> dict[str, int]:
-            return {n: getattr(self.module.get_submodule(n), PARTITION_ATTR) for n in names
-                    if getattr(self.module.get_submodule(n), PARTITION_ATTR, None) is not None}
-
-        if any(v is not None for v in placed.values()) or not config.auto_partition:
-            starts = balancing.manual_starts(list(placed.values()), stages,
-                                             config.default_partition, trace.layers)
-            balancing.check_outer("before", outer_placed(set(before) - set(trace.shared)), 0)
-            balancing.check_outer("after", outer_placed(set(after) - set(trace.shared)),
-                                  stages - 1)
-        else:
-            starts = balancing.balance(trace.compute, trace.memory, stages,
-                                       memory_weight=config.effective_memory_weight,
-                                       before=_sum_costs(trace.before),
-                                       after=_sum_costs(trace.after))
-        return cut.Split(trace.layers, starts, before, after)
 
     def _parallelize(self, units: list[str]) -> None:
         """Tensor parallelism, then FSDP on ``units``; remember replaced parameters."""
@@ -275,10 +236,6 @@ def _inputs(mb: Microbatch) -> tuple[tuple, dict]:
     """The model inputs of a microbatch whose step function has called the model."""
     assert mb.model_inputs is not None, "the step function has not called the model yet"
     return mb.model_inputs
-
-
-def _sum_costs(costs: dict[str, tuple[float, float]]) -> tuple[float, float]:
-    return (sum(c for c, _ in costs.values()), sum(m for _, m in costs.values()))
 
 
 def _signature(model_inputs: tuple[tuple, dict]) -> tuple:

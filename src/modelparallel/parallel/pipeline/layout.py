@@ -1,67 +1,97 @@
-"""The pipeline schedules a configuration may name, and their rules.
+"""PipelineLayout: which layers make each pipeline stage, and which stages each
+pipeline rank holds under the configured schedule.
 
-Which schedules exist (SMP v1's and torch's names), how many stages each places on a
-rank, and what each needs of ``virtual_stages`` / ``microbatches``, said up front in
-the configuration's terms (what torch's schedule classes would otherwise reject late).
-This module imports nothing heavy: ``Config`` checks a configuration with it.
+Chosen once, at the first step, from one traced microbatch (:class:`cut.Trace`): layers
+placed with ``mp.partition`` / ``mp.set_partition`` (:data:`PARTITION_ATTR`), or by
+``default_partition`` when ``auto_partition`` is off, go where they are told; otherwise
+the layers are balanced over the stages by their measured compute and memory
+(:func:`partition.balance`). Every rank must choose the same layout, so every rank is
+given the same trace.
 """
 
 from __future__ import annotations
 
-# SMP v1's names ("simple" = GPipe, "interleaved" = 1F1B), torch's single-stage names,
-# then the multi-stage schedules (several stages per rank): "loop" or "v" placement.
-SINGLE_STAGE_SCHEDULES = ("simple", "interleaved", "gpipe", "1f1b")
-MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": "loop", "looped_bfs": "loop",
-                         "interleaved_zero_bubble": "loop", "zbv_zero_bubble": "v",
-                         "dualpipe_v": "v"}
-PIPELINE_SCHEDULES = (*SINGLE_STAGE_SCHEDULES, *MULTI_STAGE_SCHEDULES)
-# schedules that run a backward for the inputs and a later one for the weights
-SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
+from dataclasses import dataclass
+
+from torch import nn
+
+from modelparallel.config import Config
+from modelparallel.parallel.pipeline import cut, schedules
+from modelparallel.parallel.pipeline import partition as balancing
+
+PARTITION_ATTR = "_mp_partition"  # a module's pipeline stage, set by mp.partition
 
 
-def default_stages_per_rank(name: str) -> int:
-    """Stages a rank holds under schedule ``name`` unless ``virtual_stages`` says."""
-    return 2 if name in MULTI_STAGE_SCHEDULES else 1
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The stages of one model over ``ranks`` pipeline ranks."""
+
+    trace: cut.Trace      # the costs the split was chosen from
+    split: cut.Split      # the layers and outer modules of each stage
+    schedule: str         # the configuration's ``pipeline``
+    ranks: int            # pipeline_parallel_degree
+    stages_per_rank: int
+
+    @classmethod
+    def choose(cls, module: nn.Module, trace: cut.Trace, config: Config,
+               ranks: int) -> PipelineLayout:
+        """Place the traced layers of ``module`` on ``ranks * stages_per_rank`` stages."""
+        stages = ranks * config.stages_per_rank
+        placed = [_placement(module, path) for path in trace.layers]
+        if any(stage is not None for stage in placed) or not config.auto_partition:
+            starts = balancing.manual_starts(placed, stages, config.default_partition,
+                                             trace.layers)
+            outer = set(trace.shared)
+            balancing.check_outer("before", _placed(module, set(trace.before) - outer), 0)
+            balancing.check_outer("after", _placed(module, set(trace.after) - outer),
+                                  stages - 1)
+        else:
+            starts = balancing.balance(trace.compute, trace.memory, stages,
+                                       memory_weight=config.effective_memory_weight,
+                                       before=sum_costs(trace.before),
+                                       after=sum_costs(trace.after))
+        split = cut.Split(trace.layers, starts, list(trace.before), list(trace.after))
+        return cls(trace, split, config.pipeline, ranks, config.stages_per_rank)
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` holds, in order."""
+        return schedules.stages_of_rank(self.schedule, pp_rank, self.ranks,
+                                        self.stages_per_rank)
+
+    def held_modules(self, pp_rank: int) -> list[str]:
+        """Paths of the modules pipeline rank ``pp_rank`` holds."""
+        held: list[str] = []
+        for stage in self.stage_ids(pp_rank):
+            held += [m for m in self.split.modules_of(stage) if m not in held]
+        return held
+
+    def all_modules(self) -> list[str]:
+        """Paths of every module some stage holds: the layers and the outer modules."""
+        split = self.split
+        return [*split.layers, *split.before, *[m for m in split.after if m not in split.before]]
+
+    def last_stage_rank(self) -> int:
+        """The pipeline rank holding the last stage (where the loss is)."""
+        return schedules.rank_of_stage(self.schedule, self.ranks * self.stages_per_rank - 1,
+                                       self.ranks, self.stages_per_rank)
+
+    def describe(self) -> str:
+        """The stages, their layers and cost shares, as text."""
+        t, split = self.trace, self.split
+        return balancing.describe(split.starts, split.layers, t.compute, t.memory,
+                                  split.before, split.after,
+                                  before=sum_costs(t.before), after=sum_costs(t.after))
 
 
-def check_schedule(name: str, v: int, m: int, pp: int,
-                   active_microbatches: int | None) -> list[tuple[str, str]]:
-    """Problems, as ``(key, message)``, of schedule ``name`` with ``v`` stages per rank,
-    ``m`` microbatches and ``pp`` pipeline ranks."""
-    style = MULTI_STAGE_SCHEDULES.get(name)
-    if style is None:
-        if v != 1:
-            return [("virtual_stages", f"{v} stages per rank needs a multi-stage schedule; "
-                     f"pipeline={name!r} runs one stage per rank. Use one of "
-                     f"{sorted(MULTI_STAGE_SCHEDULES)}, or drop virtual_stages")]
-        return []
-    problems = []
-    if active_microbatches is not None:
-        problems.append(("active_microbatches", f"pipeline={name!r} fixes how many "
-                         "microbatches are in flight itself; active_microbatches is "
-                         "honoured by 'simple' and 'interleaved' only, remove it"))
-    if style == "v" and v != 2:
-        problems.append(("virtual_stages", f"pipeline={name!r} places exactly 2 stages on "
-                         f"each rank (a V: rank r holds stages r and {2 * pp - 1}-r); got "
-                         f"{v}"))
-    if name == "dualpipe_v" and m < pp * v:
-        problems.append(("microbatches", f"pipeline='dualpipe_v' needs at least as many "
-                         f"microbatches as stages ({pp * v}); got {m}"))
-    if name in ("interleaved_1f1b", "interleaved_zero_bubble"):
-        rounds = max(1, m // pp)
-        if m % rounds:
-            problems.append(("microbatches", f"pipeline={name!r} runs the microbatches in "
-                             f"rounds of pipeline_parallel_degree ({pp}): {m} does not "
-                             f"split into {rounds} equal rounds; use a multiple of {pp}, "
-                             f"or fewer than {2 * pp}"))
-    return problems
+def sum_costs(costs: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """Total (compute, memory) of modules outside the layers."""
+    return (sum(c for c, _ in costs.values()), sum(m for _, m in costs.values()))
 
 
-def check_sharded_stages(name: str, shard_ranks: int) -> list[tuple[str, str]]:
-    """Problems of schedule ``name`` when FSDP shards each stage over ``shard_ranks``."""
-    if name not in SPLIT_BACKWARD_SCHEDULES:
-        return []
-    return [("pipeline", f"{name!r} computes weight gradients in a separate pass after the "
-                         f"input gradients, which FSDP's sharded data parallelism (here over "
-                         f"{shard_ranks} ranks) cannot follow; use 'interleaved_1f1b' or "
-                         f"'interleaved', or replicas (ddp=True, or hybrid_shard_degree=1)")]
+def _placement(module: nn.Module, path: str) -> int | None:
+    return getattr(module.get_submodule(path), PARTITION_ATTR, None)
+
+
+def _placed(module: nn.Module, paths: set[str]) -> dict[str, int]:
+    """The stages ``mp.partition`` gave to some of ``paths``."""
+    return {p: stage for p in paths if (stage := _placement(module, p)) is not None}

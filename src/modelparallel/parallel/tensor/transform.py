@@ -68,18 +68,17 @@ def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool
     With ``tensor_parallel_degree`` 1 nothing is split. Apply data parallelism
     afterwards (``mp.shard``, FSDP1, ``mp.replicate``).
     """
-    s = ctx
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
-    half = s.config.half_precision
+    half = ctx.config.half_precision
     if half is not None:
         compute_in(model, HALF[half], find_blocks(model))
         if half == "fp16":
             require_loss_scaling(model)
-    degree = s.topology.tp
+    degree = ctx.topology.tp
     if degree == 1:
         return model
-    if loss_parallel and not s.config.prescaled_batch:
+    if loss_parallel and not ctx.config.prescaled_batch:
         raise ConfigError([("prescaled_batch", "loss_parallel=True keeps the logits split over "
                             "the vocabulary, so they cannot be cut back into each rank's own "
                             "batch: set prescaled_batch=True (every rank of a tensor-parallel "
@@ -88,18 +87,18 @@ def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool
     found = find_plans(model, options)
     object.__setattr__(model, _SPLIT_ATTR, bool(found))
     if not found:
-        if s.rank == 0:
+        if ctx.rank == 0:
             warnings.warn(_unsplit_message(model, degree), UnsplitModelWarning, stacklevel=2)
         return model
-    to_device(model, s.device)  # a pipeline stage's model has other stages' parts on meta
-    tp_group = s.process_group(CommGroup.TP_GROUP)
+    to_device(model, ctx.device)  # a pipeline stage's model has other stages' parts on meta
+    tp_group = ctx.process_group(CommGroup.TP_GROUP)
     # the ranks of a group compute one model: start from tp rank 0's values (split
     # parameters are cut from its copy below) and draw the same random numbers outside
     # split regions
     broadcast_from_first([*model.parameters(), *model.buffers()], tp_group)
-    rng.synchronize_global(tp_group, s.device)
+    rng.synchronize_global(tp_group, ctx.device)
     tied = tied_groups(model)
-    mesh = s.meshes["tp"]
+    mesh = ctx.meshes["tp"]
     regions: dict[str, str] = {}
     styled = []
     for f in found:
@@ -112,11 +111,12 @@ def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool
         regions |= {_join(f.path, sub): stream for sub, stream in f.plan.rng.items()}
     _retie(model, tied)
     SplitRegions(model, styled, mesh)
-    coords = s.topology.coordinate(s.rank)
-    streams = rng.RNGStreams(sharded_seed=s.config.random_seed + coords["tp"] + 1000 * coords["pp"],
-                             replicated_seed=s.config.tensor_parallel_seed, device=s.device)
+    coords = ctx.topology.coordinate(ctx.rank)
+    streams = rng.RNGStreams(
+        sharded_seed=ctx.config.random_seed + coords["tp"] + 1000 * coords["pp"],
+        replicated_seed=ctx.config.tensor_parallel_seed, device=ctx.device)
     rng.install_regions(model, regions, streams)
-    if s.config.prescaled_batch:
+    if ctx.config.prescaled_batch:
         batch.check_same_batch_once(model, tp_group)
     else:
         batch.gather_batches(model, mesh)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from modelparallel.parallel.pipeline.layout import (
+from modelparallel.parallel.pipeline.schedule_rules import (
     MULTI_STAGE_SCHEDULES,
     SPLIT_BACKWARD_SCHEDULES,
     check_schedule,
