@@ -126,6 +126,7 @@ class PathRun:
         self.case = case
         self.exact = exact
         self.mp = mp = _init(case)
+        self.device = mp.state.context.device  # this rank's GPU, or the CPU
         from modelparallel.parallel.precision import LossScaler
 
         # SMP scripts often seed each rank apart; FSDP1 scripts start alike (torch's FSDP1
@@ -149,7 +150,7 @@ class PathRun:
                                                      loss_scaler=self.scaler)
             self._train_step = _v1_step(mp, self.loss_fn, self.passes)
         else:
-            self.model = _wrap_v2(case, mp, model)
+            self.model = _wrap_v2(case, mp, model, self.device)
             self.optimizer = sgd(self.model.parameters())
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -157,6 +158,7 @@ class PathRun:
         self.optimizer.zero_grad()
         if self.exact and x.is_floating_point():
             x = x.double()
+        x, y = x.to(self.device), y.to(self.device)  # as SMP v1 and v2 scripts do
         total = 0.0
         for part in range(self.passes):
             rows = _rows(self.case, x, part)
@@ -196,7 +198,7 @@ class PathRun:
             options = StateDictOptions(full_state_dict=True, cpu_offload=False)
             full: dict[str, Any] = get_model_state_dict(self.model, options=options)
             params = {k: v.detach().cpu() for k, v in full.items()}
-            optim = {k: v.detach() for k, v in states.optimizer_state(
+            optim = {k: v.detach().cpu() for k, v in states.optimizer_state(
                 self.model, self.optimizer, full=True, every_rank=True).items()
                 if isinstance(v, torch.Tensor)}
         return RunResult(losses, params, optim,
@@ -282,7 +284,7 @@ def _v1_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
     full = {}
     for p in parts:
         full.update(p)
-    return {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    return {k: v.cpu() for k, v in full.items() if isinstance(v, torch.Tensor)}
 
 
 def _checkpoint_blocks(model: nn.Module) -> None:
@@ -300,7 +302,7 @@ def _checkpoint_blocks(model: nn.Module) -> None:
             m, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
 
 
-def _wrap_v2(case: Case, mp, model: nn.Module) -> nn.Module:
+def _wrap_v2(case: Case, mp, model: nn.Module, device: torch.device) -> nn.Module:
     if case.path == "smddp":
         import modelparallel.dataparallel as sdp
 
@@ -320,8 +322,9 @@ def _wrap_v2(case: Case, mp, model: nn.Module) -> nn.Module:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     layer = {type(b) for b in zoo.blocks_of(model)}
+    on_gpu = {"device_id": device} if device.type == "cuda" else {}  # as SMP v2 scripts
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(layer),
-                                       use_orig_params=True)
+                                       use_orig_params=True, **on_gpu)
     if case.checkpointing:  # SMP v2's train_lib applies it after FSDP
         _checkpoint_blocks(wrapped)
     return wrapped
