@@ -260,6 +260,20 @@ class Config:
         degree = self.hybrid_shard_degree or self._sdp_degree()
         return dp if degree == 0 else degree
 
+    @property
+    def shards_explicitly(self) -> bool:
+        """Whether the configuration asks for sharded parameters by degree
+        (``hybrid_shard_degree`` >= 2 or ``sharded_data_parallel_degree`` > 1), which
+        ``ddp=True`` and ``mp.replicate()`` may not override."""
+        return self.sharded_data_parallel_degree > 1 or self.hybrid_shard_degree >= 2
+
+    @property
+    def sets_shard_layout(self) -> bool:
+        """Whether the configuration says how parameters are sharded at all: not
+        ``hybrid_shard_degree`` 0 (SMP v2: an FSDP1 script's own strategy stands) without
+        ``sharded_data_parallel_degree``."""
+        return self.hybrid_shard_degree != 0 or self.sharded_data_parallel_degree > 1
+
     # -- validation ---------------------------------------------------------------------
     def validate_world(self, world_size: int) -> None:
         """Check the degrees against a world size; raise ConfigError naming every problem."""
@@ -299,8 +313,7 @@ class Config:
         (else replicas all-reduce): ``ddp=True`` asks for replicas unless sharding is
         asked for explicitly (``sharded_data_parallel_degree`` > 1 or
         ``hybrid_shard_degree`` >= 2)."""
-        explicit = self.sharded_data_parallel_degree > 1 or self.hybrid_shard_degree >= 2
-        return dp_shard > 1 and (not self.ddp or explicit)
+        return dp_shard > 1 and (not self.ddp or self.shards_explicitly)
 
     def _model_parallel_product(self) -> int:
         return (self.tensor_parallel_degree * self.pipeline_parallel_degree

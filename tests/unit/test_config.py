@@ -787,3 +787,17 @@ class TestWorldSize:
         config = load(given)
         assert config.data_parallel_size(world) == dp
         assert config.shard_size(world) == shard
+
+
+@pytest.mark.parametrize("keys, explicit, sets_layout", [
+    ({}, False, False),                                  # 0: every rank; FSDP1 as torch has it
+    ({"hybrid_shard_degree": 1}, False, True),           # replicas, asked for
+    ({"hybrid_shard_degree": 2}, True, True),
+    ({"sharded_data_parallel_degree": 2}, True, True),
+])
+def test_the_questions_asked_of_the_sharding_keys(keys, explicit, sets_layout):
+    config = Config.load(keys, environ={})
+    assert config.shards_explicitly is explicit
+    assert config.sets_shard_layout is sets_layout
+    assert config.pipeline_shards(2) is True
+    assert Config.load({**keys, "ddp": True}, environ={}).pipeline_shards(2) is explicit

@@ -87,8 +87,8 @@ def fsdp1_arguments(ctx: ParallelContext, arguments: dict[str, Any], *,
     if args.get("process_group") is not None or args.get("device_mesh") is not None:
         return args  # the script chose its own groups
     cfg, topo = ctx.config, ctx.topology
-    if cfg.hybrid_shard_degree == 0 and cfg.sharded_data_parallel_degree <= 1 and topo.tp == 1:
-        return args  # SMP v2: 0 means PyTorch's own behaviour
+    if not cfg.sets_shard_layout and topo.tp == 1:
+        return args  # SMP v2: hybrid_shard_degree 0 means PyTorch's own behaviour
     asked = args.get("sharding_strategy")
     no_shard = split and asked is _S.NO_SHARD  # cannot hold tensor-parallel DTensors
     strategy, groups = _layout(ctx, None if no_shard else asked, split)

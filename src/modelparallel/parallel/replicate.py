@@ -61,11 +61,12 @@ def replicate(model: nn.Module, ctx: ParallelContext, **ddp_kwargs: Any) -> nn.M
 def _check_replicated_layout(ctx: ParallelContext) -> None:
     """Replicating where the configuration asks for sharding is refused, not ignored."""
     c = ctx.config
+    if not c.shards_explicitly:
+        return
     if c.sharded_data_parallel_degree > 1:
         raise ConfigError([("sharded_data_parallel_degree", (
             f"{c.sharded_data_parallel_degree} asks for sharded data parallelism, but "
             "mp.replicate() replicates; use mp.shard(), or drop the key"))])
-    if c.hybrid_shard_degree >= 2:
-        raise ConfigError([("hybrid_shard_degree", (
-            f"{c.hybrid_shard_degree} shards parameters over {ctx.topology.dp_shard} ranks, but "
-            "mp.replicate() replicates; use mp.shard(), or set hybrid_shard_degree to 1"))])
+    raise ConfigError([("hybrid_shard_degree", (
+        f"{c.hybrid_shard_degree} shards parameters over {ctx.topology.dp_shard} ranks, but "
+        "mp.replicate() replicates; use mp.shard(), or set hybrid_shard_degree to 1"))])

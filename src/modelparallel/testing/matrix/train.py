@@ -322,9 +322,9 @@ def _wrap_v2(case: Case, mp, model: nn.Module, device: torch.device) -> nn.Modul
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     layer = {type(b) for b in zoo.blocks_of(model)}
-    on_gpu = {"device_id": device} if device.type == "cuda" else {}  # as SMP v2 scripts
-    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(layer),
-                                       use_orig_params=True, **on_gpu)
+    wrapped = FullyShardedDataParallel(  # device_id: SMP v2 scripts give their GPU
+        model, auto_wrap_policy=ModuleWrapPolicy(layer), use_orig_params=True,
+        device_id=device if device.type == "cuda" else None)
     if case.checkpointing:  # SMP v2's train_lib applies it after FSDP
         _checkpoint_blocks(wrapped)
     return wrapped
