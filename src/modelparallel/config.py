@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelparallel import config_keys
-from modelparallel.config_files import read_config_file, unwrap
+from modelparallel.config_files import read_launcher_config, read_source
 from modelparallel.errors import ConfigError
 from modelparallel.parallel.pipeline import schedule_rules
 
@@ -25,7 +24,6 @@ logger = logging.getLogger("modelparallel")
 ALIASES = {"partitions": "pipeline_parallel_degree"}
 PLACEMENT_NAMES = {"cluster": "DPT", "spread": "TPD"}
 _key = config_keys.key
-
 
 
 @dataclass
@@ -178,19 +176,9 @@ class Config:
         logged once by rank 0.
         """
         environ = os.environ if environ is None else environ
-        script = normalise(_read_source(source), origin="configuration")
-        launcher = {}
-        if environ.get("MP_CONFIG"):
-            try:
-                launcher = json.loads(environ["MP_CONFIG"])
-            except json.JSONDecodeError as e:
-                raise ConfigError([("MP_CONFIG", f"is not valid JSON ({e})")]) from None
-            if not isinstance(launcher, dict):
-                kind = {list: "an array", str: "a string", bool: "a boolean",
-                        type(None): "null"}.get(type(launcher), "a number")
-                raise ConfigError([("MP_CONFIG", f"holds {kind}; expected a JSON object "
-                                                 f"of keys to values")])
-            launcher = normalise(unwrap(launcher), origin="MP_CONFIG")
+        data = source.to_dict() if isinstance(source, Config) else read_source(source)
+        script = normalise(data, origin="configuration")
+        launcher = normalise(read_launcher_config(environ), origin="MP_CONFIG")
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         changed = {k: (script.get(k, defaults[k]), v) for k, v in launcher.items()
                    if script.get(k, defaults[k]) != v}
@@ -361,10 +349,9 @@ class Config:
                              f"are 0..{stages - 1} (pipeline_parallel_degree="
                              f"{self.pipeline_parallel_degree} x {self.stages_per_rank} "
                              "stages per rank)"))
-        problems.extend(schedule_rules.check_schedule(self.pipeline, self.stages_per_rank,
-                                              self.microbatches,
-                                              self.pipeline_parallel_degree,
-                                              self.active_microbatches))
+        problems.extend(schedule_rules.check_schedule(
+            self.pipeline, self.stages_per_rank, self.microbatches,
+            self.pipeline_parallel_degree, self.active_microbatches))
         sdp = self.sharded_data_parallel_degree
         if sdp > 1 and self.hybrid_shard_degree not in (0, sdp):
             problems.append(("sharded_data_parallel_degree",
@@ -378,6 +365,7 @@ class Config:
                                       f"valid value: {default!r}"))
         return problems
 
+
 _DEGREE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree",
                 "context_parallel_degree", "expert_parallel_degree")
 
@@ -387,25 +375,8 @@ _NOT_BUILT = {f.name: f.metadata["not_built"] for f in dataclasses.fields(Config
               if f.metadata["not_built"]}
 
 
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _read_source(source: Any) -> dict[str, Any]:
-    if source is None:
-        return {}
-    if isinstance(source, Config):
-        return source.to_dict()
-    if isinstance(source, Mapping):
-        return unwrap(dict(source))
-    if isinstance(source, (str, os.PathLike)):
-        return unwrap(read_config_file(source))
-    raise ConfigError([("configuration", f"cannot read a configuration from a "
-                                         f"{type(source).__name__}; pass a dict, a path to "
-                                         f"a JSON or YAML file, or None")])
-
-
 
 
 def normalise(data: dict[str, Any], origin: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +51,33 @@ def unwrap(data: dict[str, Any]) -> dict[str, Any]:
     if set(data) <= {"enabled", "parameters"} and isinstance(data.get("parameters"), dict):
         return dict(data["parameters"])
     return data
+
+
+def read_source(source: Mapping[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
+    """A script's configuration as a dict: a mapping, a JSON/YAML file path, or None."""
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        return unwrap(dict(source))
+    if isinstance(source, (str, os.PathLike)):
+        return unwrap(read_config_file(source))
+    raise ConfigError([("configuration", f"cannot read a configuration from a "
+                                         f"{type(source).__name__}; pass a dict, a path to "
+                                         f"a JSON or YAML file, or None")])
+
+
+def read_launcher_config(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The launcher's ``MP_CONFIG`` (a JSON object) from ``environ``; {} when unset."""
+    text = environ.get("MP_CONFIG")
+    if not text:
+        return {}
+    try:
+        launcher = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError([("MP_CONFIG", f"is not valid JSON ({e})")]) from None
+    if not isinstance(launcher, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean",
+                type(None): "null"}.get(type(launcher), "a number")
+        raise ConfigError([("MP_CONFIG", f"holds {kind}; expected a JSON object "
+                                         f"of keys to values")])
+    return unwrap(launcher)

@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from modelparallel.config import Config, ConfigError, read_config_file
+from modelparallel.config import Config, ConfigError
+from modelparallel.config_files import read_config_file
 
 
 def load(source=None, **environ) -> Config:
