@@ -55,7 +55,7 @@ from modelparallel.config import Config, ConfigError
 from modelparallel.context import ParallelContext
 from modelparallel.parallel import fsdp1_limits, fsdp1_state, fsdp1_torch
 from modelparallel.parallel.clip import fsdp1_clip_grad_norm_
-from modelparallel.parallel.precision import require_loss_scaling
+from modelparallel.parallel.precision import HALF, require_loss_scaling
 
 logger = logging.getLogger("modelparallel")
 
@@ -66,7 +66,6 @@ _TO_HYBRID = {None: _S.HYBRID_SHARD, _S.FULL_SHARD: _S.HYBRID_SHARD,
 _TO_FLAT = {None: _S.FULL_SHARD, _S.FULL_SHARD: _S.FULL_SHARD,
             _S.SHARD_GRAD_OP: _S.SHARD_GRAD_OP, _S.HYBRID_SHARD: _S.FULL_SHARD,
             _S._HYBRID_SHARD_ZERO2: _S.SHARD_GRAD_OP, _S.NO_SHARD: _S.NO_SHARD}
-_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def holds_tensor_parallel(module: nn.Module) -> bool:
@@ -144,10 +143,10 @@ def _apply_precision(cfg: Config, args: dict[str, Any]) -> None:
         return
     policy = args.get("mixed_precision")
     if policy is None:
-        args["mixed_precision"] = MixedPrecision(param_dtype=_HALF[key],
+        args["mixed_precision"] = MixedPrecision(param_dtype=HALF[key],
                                                  reduce_dtype=torch.float32)
-    elif policy.param_dtype != _HALF[key]:
-        raise ConfigError([(key, f"{key}=True computes in {_HALF[key]}, but the script's FSDP "
+    elif policy.param_dtype != HALF[key]:
+        raise ConfigError([(key, f"{key}=True computes in {HALF[key]}, but the script's FSDP "
                                  f"MixedPrecision has param_dtype={policy.param_dtype}; make "
                                  f"them agree or drop one")])
 
