@@ -4,8 +4,14 @@ Scripts written for the SageMaker model parallel library port by changing the im
 
     import modelparallel as smp   # was: import smdistributed.modelparallel.torch as smp
     import modelparallel as tsm   # was: import torch.sagemaker as tsm
+
+Every SMP submodule path resolves under ``modelparallel`` too
+(``modelparallel.delayed_param``, ``modelparallel.distributed.checkpoint...``), and
+``modelparallel run --compat sagemaker`` runs a script with its SageMaker imports
+unchanged: ``modelparallel_compat`` holds the one table of module paths.
 """
 
+import modelparallel_compat
 from modelparallel import data, models  # models: registers the built-in TP plans
 from modelparallel.checkpoint import CheckpointError
 from modelparallel.config import Config, ConfigError
@@ -70,11 +76,12 @@ from modelparallel.smp.ranks import (
     tp_rank,
     tp_size,
 )
-from modelparallel.smp.state import NotInitializedError, init, reset, state
+from modelparallel.smp.state import NotInitializedError, init, is_initialized, reset, state
 from modelparallel.smp.step import step
 from modelparallel.topology import CommGroup, RankType, Topology
+from modelparallel.version import __version__ as __version__
 
-__version__ = "0.1.0"
+modelparallel_compat.install()  # SMP's submodule paths under modelparallel
 
 
 __all__ = [
@@ -121,6 +128,7 @@ __all__ = [
     "get_tp_process_group",
     "get_world_process_group",
     "init",
+    "is_initialized",
     "load_full_state_dict",
     "local_rank",
     "local_size",

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as torch_dcp
 from torch import nn
 
 from modelparallel.checkpoint import full, guard, states
+from modelparallel.checkpoint import user_content as user_content_codec
 from modelparallel.checkpoint.dcp import (
     on_coordinator,
     replace_directory,
@@ -66,7 +67,8 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
     (a torch optimizer or a ``WrappedOptimizer``) are what is saved; the SMP facade's
     ``mp.save_checkpoint`` defaults them to the ``DistributedModel`` /
     ``DistributedOptimizer``.
-    ``user_content`` (tensors, numbers, strings, lists, dicts) comes back from
+    ``user_content`` (tensors, numbers, strings, lists, dicts, NumPy values, Hugging
+    Face configs: ``user_content.py``) comes back from
     :func:`resume_from_checkpoint`; so do ``lr_scheduler``, ``data_loader`` (its
     position), ``loss_scaler`` (fp16's :class:`~modelparallel.LossScaler`; default: the
     DistributedOptimizer's) and ``step`` (see :func:`info`).
@@ -78,7 +80,7 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
     guard.check_every_rank_calls(f"save_checkpoint({os.fspath(path)!r}, tag={tag!r})", ctx)
     scaler = _scaler(loss_scaler, optimizer)
     module, optim, dm = states.unwrap(model, optimizer)
-    small = {"user_content": user_content, "step": step,
+    small = {"user_content": user_content_codec.encode(user_content), "step": step,
              "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
              "data_loader": _loader_state(data_loader),
              "loss_scaler": scaler.state_dict() if scaler is not None else None}
@@ -180,7 +182,7 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
     _restore_rng(location, tag, manifest, module)
     if dist.get_rank() == 0:
         logger.info("resumed from checkpoint %s (step %s)", location.url(tag), manifest["step"])
-    return small["user_content"]
+    return user_content_codec.decode(small["user_content"])
 
 
 def newest(path: str | os.PathLike, *, required: bool = False) -> str | None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+import modelparallel_compat
 from modelparallel.jobs import artifacts
 from modelparallel.jobs.channels import materialize
 from modelparallel.jobs.layout import JobLayout
@@ -59,6 +60,10 @@ def worker_environment(spec: JobSpec, index: int, channels: dict[str, str],
            "MP_METRICS_FILE": str(layout.metrics(index))}
     if spec.config:
         env["MP_CONFIG"] = json.dumps(spec.config)
+    if spec.distribution and "smdistributed" in spec.distribution:
+        # a SageMaker script: its smdistributed / torch.sagemaker imports resolve to
+        # modelparallel (the job's own environment may still set it to "")
+        env[modelparallel_compat.ENVIRONMENT_SWITCH] = "sagemaker"
     sm = {"SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[index],
           "SM_HPS": hps, "SM_CHANNELS": json.dumps(sorted(channels)),
           "SM_USER_ENTRY_POINT": Path(spec.entry_point).name, "SM_MODULE_DIR": str(code_dir),

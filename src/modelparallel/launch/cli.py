@@ -33,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--max-restarts", type=int, default=0,
                    help="restart the worker group this many times after a failure")
     r.add_argument("--log-dir", default=None, help="keep each worker's output here")
+    r.add_argument("--compat", choices=["sagemaker"], default=None,
+                   help="run the script with its SageMaker imports unchanged: "
+                        "smdistributed.modelparallel.torch, torch.sagemaker and "
+                        "smdistributed.dataparallel resolve to modelparallel")
     r.add_argument("script", help="the training script")
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             script=args.script, script_args=args.script_args, nproc_per_node=args.nproc_per_node,
             nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=args.rdzv_id, config=args.config, max_restarts=args.max_restarts,
-            log_dir=args.log_dir))
+            log_dir=args.log_dir, compat=args.compat))
     except ConfigError as e:
         print(f"modelparallel run: {e}", file=sys.stderr)
         code = 2

@@ -22,6 +22,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import elastic_launch
 
+import modelparallel_compat
 from modelparallel.config import Config, normalise
 from modelparallel.config_files import read_config_file
 from modelparallel.launch.worker import COLLECTIVE_TIMEOUT
@@ -44,6 +45,7 @@ class RunOptions:
     log_dir: str | None = None
     local_addr: str | None = None  # this node's address for the other nodes (multi-node)
     rdzv_host: bool | None = None  # whether this node hosts the c10d rendezvous store
+    compat: str | None = None  # "sagemaker": SageMaker's imports resolve to modelparallel
 
 
 def load_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], Config]:
@@ -112,6 +114,8 @@ def run_workers(opts: RunOptions) -> tuple[int, str | None]:
 
     if mp_config is not None:
         os.environ["MP_CONFIG"] = mp_config
+    if opts.compat is not None:  # the workers install it (modelparallel.launch.worker)
+        os.environ[modelparallel_compat.ENVIRONMENT_SWITCH] = opts.compat
     if opts.nnodes == 1 and opts.rdzv_endpoint is None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if opts.max_restarts > 0:

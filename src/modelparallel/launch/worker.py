@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 
+import modelparallel_compat
 from modelparallel.launch.lifeline import follow_parent
 
 # What a collective that waited too long raises: gloo's RuntimeError ("Timed out waiting
@@ -95,6 +96,8 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(script))
     try:
         check_instance_order()
+        # MODELPARALLEL_COMPAT (modelparallel run --compat): also without the .pth file
+        modelparallel_compat.install_from_environment()
         runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         if done.code not in (None, 0):

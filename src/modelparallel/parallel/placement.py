@@ -19,3 +19,19 @@ def to_device(module: nn.Module, device: torch.device) -> None:
         for t in [*module.parameters(), *module.buffers()]:
             if not is_meta(t) and not isinstance(t, DTensor) and t.device != device:
                 t.data = t.data.to(device)
+
+
+def materialize_meta(module: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer of ``module`` uninitialized storage on
+    ``device``. A parameter several modules share (tied weights) stays one Parameter."""
+    made: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None and is_meta(p) and not isinstance(p, DTensor):
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty_like(p, device=device),
+                                               requires_grad=p.requires_grad)
+                sub._parameters[name] = made[id(p)]
+        for name, b in list(sub._buffers.items()):
+            if b is not None and is_meta(b):
+                sub._buffers[name] = torch.empty_like(b, device=device)

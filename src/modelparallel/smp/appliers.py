@@ -3,6 +3,7 @@ the context of the current ``mp.init()``. The work is done in ``modelparallel.pa
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -13,15 +14,32 @@ from modelparallel.parallel import replicate as replicating
 from modelparallel.parallel import sharding
 from modelparallel.parallel.blocks import BlockSpec
 from modelparallel.parallel.tensor import transform as splitting  # the module
+from modelparallel.smp.moe import NOT_SUPPORTED as MOE_NOT_SUPPORTED
+from modelparallel.smp.moe import MoEConfig
 from modelparallel.smp.state import state
 
+logger = logging.getLogger("modelparallel")
 
-def transform(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False,
-              device: torch.device | str | None = None,
-              dtype: torch.dtype | None = None) -> nn.Module:
+
+def transform(model: nn.Module, device: torch.device | str | None = None,
+              dtype: torch.dtype | None = None, config: Any = None,
+              load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p", *,
+              sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
     ctx = state.require("mp.transform()").context
+    if config is not None:
+        raise NotImplementedError(
+            MOE_NOT_SUPPORTED if isinstance(config, MoEConfig) else
+            f"transform(config={config!r}): SMP's transformer configuration options are not "
+            f"supported by modelparallel (it splits the model you pass as it is); pass "
+            f"config=None")
+    if cp_comm_type not in ("p2p", "all_gather"):
+        raise ValueError(f"cp_comm_type={cp_comm_type!r}; SMP accepts 'p2p' or 'all_gather'")
+    if cp_comm_type != "p2p" and ctx.rank == 0:
+        logger.info("transform(cp_comm_type=%r) has no effect: context parallelism is not "
+                    "built (context_parallel_degree is 1)", cp_comm_type)
     return splitting.transform(model, ctx, sequence_parallel=sequence_parallel,
-                               loss_parallel=loss_parallel, device=device, dtype=dtype)
+                               loss_parallel=loss_parallel, device=device, dtype=dtype,
+                               weights_from_rank0=load_state_dict_from_rank0)
 
 
 def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: bool | None = None,
@@ -36,6 +54,10 @@ def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
     return replicating.replicate(model, ctx, **ddp_kwargs)
 
 
-transform.__doc__ = splitting.transform.__doc__
+transform.__doc__ = (splitting.transform.__doc__ or "") + """
+    SMP v2's arguments: ``load_state_dict_from_rank0`` is ``weights_from_rank0`` above;
+    ``config`` (a ``MoEConfig`` or SMP transformer options) raises NotImplementedError;
+    ``cp_comm_type`` is checked and has no effect (context parallelism is not built).
+    """
 shard.__doc__ = sharding.shard.__doc__
 replicate.__doc__ = replicating.replicate.__doc__

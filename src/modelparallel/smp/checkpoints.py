@@ -15,6 +15,7 @@ from modelparallel.checkpoint.manager import info, newest
 from modelparallel.checkpoint.storage import CheckpointError
 from modelparallel.smp import registry
 from modelparallel.smp.state import state
+from modelparallel.smp.utils import checkpoint_utils as utils  # tsm.checkpoint.utils
 
 
 def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
@@ -80,5 +81,14 @@ def _defaults(model: Any, optimizer: Any) -> tuple[Any, Any]:
     return model, optimizer
 
 
-__all__ = ["CheckpointError", "async_save", "info", "load", "newest", "resume_from_checkpoint",
-           "save", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "async_save",
+    "info",
+    "load",
+    "newest",
+    "resume_from_checkpoint",
+    "save",
+    "save_checkpoint",
+    "utils",
+]

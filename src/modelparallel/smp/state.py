@@ -7,6 +7,7 @@ context as an argument.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from modelparallel.config import Config, ConfigError
 from modelparallel.context import ParallelContext
 from modelparallel.smp import fsdp1_hook
+from modelparallel.smp.v2_state import V2Attributes
 from modelparallel.topology import CommGroup, Topology, build_mesh
 
 logger = logging.getLogger("modelparallel")
@@ -29,14 +31,17 @@ class NotInitializedError(RuntimeError):
                          f"using {what}")
 
 
-class State:
+class State(V2Attributes):
     """What ``init()`` set up (``mp.state``): the context, and its parts by name (the
-    config, the topology, the mesh, the 1-D meshes per dim and SMP group, the device)."""
+    config, the topology, the mesh, the 1-D meshes per dim and SMP group, the device),
+    and SMP v2's names for them (:class:`~modelparallel.smp.v2_state.V2Attributes`)."""
 
     def __init__(self) -> None:
         self._context: ParallelContext | None = None
         self.generation = 0  # counts init() calls
         self.objects: dict[str, Any] = {}  # made under this init (smp.registry)
+        self._degree_overrides: dict[str, int] = {}  # set on tsm.state before init
+        self._singletons: dict[str, Any] = {}  # made on first use under this init
 
     @property
     def initialized(self) -> bool:
@@ -60,6 +65,7 @@ class State:
     def set(self, context: ParallelContext | None) -> None:
         self._context = context
         self.objects = {}
+        self._singletons = {}
         if context is not None:
             self.generation = context.generation
 
@@ -131,7 +137,7 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     if state.initialized:
         raise RuntimeError("mp.init() was already called in this process; call mp.reset() "
                            "first to initialize again")
-    cfg = Config.load(config)
+    cfg = _with_overrides(Config.load(config), state.take_degree_overrides())
     world_size = dist.get_world_size() if dist.is_initialized() else \
         int(os.environ.get("WORLD_SIZE", "1"))
     topology = Topology.from_config(cfg, world_size)  # validates against the world size
@@ -158,6 +164,22 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     if state.rank == 0:
         logger.info("modelparallel initialized: %s", topology.describe())
     return state
+
+
+def _with_overrides(cfg: Config, overrides: dict[str, int]) -> Config:
+    """``cfg`` with the degrees the script set on ``tsm.state`` before init (they win
+    over the configuration and the launcher's, as the script asked for them last)."""
+    changed = {k: v for k, v in overrides.items() if getattr(cfg, k) != v}
+    if not changed:
+        return cfg
+    if os.environ.get("RANK", "0") == "0":
+        logger.warning("tsm.state set before init overrides the configuration: %s",
+                       ", ".join(f"{k}: {getattr(cfg, k)!r} -> {v!r}"
+                                 for k, v in changed.items()))
+    updated = dataclasses.replace(cfg, **changed)  # type: ignore[arg-type]
+    updated._check_values(warn=False)
+    object.__setattr__(updated, "_explicit", cfg.explicit | frozenset(changed))
+    return updated
 
 
 def _device(cfg: Config, local_rank: int) -> torch.device:
@@ -258,3 +280,8 @@ def reset() -> None:
     identical mesh would leave those references pointing at dead groups).
     """
     state.set(None)
+
+
+def is_initialized() -> bool:
+    """Whether ``init()`` ran (SMP v1 and v2: ``smp.is_initialized()``)."""
+    return state.initialized

@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -14,7 +15,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from modelparallel.config import ConfigError
 from modelparallel.context import ParallelContext
 from modelparallel.parallel.blocks import find_blocks
-from modelparallel.parallel.placement import to_device
+from modelparallel.parallel.placement import is_meta, materialize_meta, to_device
 from modelparallel.parallel.precision import HALF, compute_in, require_loss_scaling
 from modelparallel.parallel.replicas import broadcast_from_first
 from modelparallel.parallel.tensor import batch, rng
@@ -36,7 +37,8 @@ class _Found:
 
 def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool = False,
               loss_parallel: bool = False, device: torch.device | str | None = None,
-              dtype: torch.dtype | None = None) -> nn.Module:
+              dtype: torch.dtype | None = None, weights_from_rank0: bool = False,
+              ) -> nn.Module:
     """Split ``model`` over the tensor-parallel ranks (SMP v2's ``tsm.transform``).
 
     Every module with a plan (built-in for the reference models and for Hugging Face
@@ -65,6 +67,12 @@ def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool
     ``bf16``/``fp16`` in the config make the forward and backward compute in that type
     with float32 parameters (``precision.py``), with or without tensor parallelism.
 
+    ``weights_from_rank0`` (SMP v2's ``load_state_dict_from_rank0``): only global rank
+    0's model holds real weights (the others may be on the meta device); the first rank
+    of every tensor-parallel group gets them from rank 0 before the split, so every
+    rank ends with its part of rank 0's model. With degree 1 nothing is done here: the
+    data-parallel wrapper's ``sync_module_states=True`` distributes them, as in SMP.
+
     With ``tensor_parallel_degree`` 1 nothing is split. Apply data parallelism
     afterwards (``mp.shard``, FSDP1, ``mp.replicate``).
     """
@@ -83,6 +91,8 @@ def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool
                             "the vocabulary, so they cannot be cut back into each rank's own "
                             "batch: set prescaled_batch=True (every rank of a tensor-parallel "
                             "group passes the same batch; mp.data loaders shard by rdp_rank)")])
+    if weights_from_rank0:
+        _take_rank0_weights(model, ctx)
     options = TPOptions(degree, sequence_parallel, loss_parallel)
     found = find_plans(model, options)
     object.__setattr__(model, _SPLIT_ATTR, bool(found))
@@ -121,6 +131,23 @@ def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool
     else:
         batch.gather_batches(model, mesh)
     return model
+
+
+def _take_rank0_weights(model: nn.Module, ctx: ParallelContext) -> None:
+    """Give the first rank of each tensor-parallel group global rank 0's parameters and
+    buffers (collective over the world, then over rank 0's data-parallel group)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    flag = torch.tensor([float(any(is_meta(t) for t in tensors))], device=ctx.device)
+    dist.broadcast(flag, src=0)
+    if flag.item():
+        raise ConfigError([("load_state_dict_from_rank0", "rank 0's model is on the meta "
+                            "device: with load_state_dict_from_rank0=True, rank 0 must build "
+                            "the model with its weights (the other ranks may use meta)")])
+    materialize_meta(model, ctx.device)
+    to_device(model, ctx.device)
+    if ctx.coordinate("tp") == 0:  # rank 0's group: the ranks that begin a tp group
+        broadcast_from_first([*model.parameters(), *model.buffers()],
+                             ctx.process_group(CommGroup.RDP_GROUP))
 
 
 _SPLIT_ATTR = "_mp_tensor_parallel_split"  # set by transform(): whether a plan split it
