@@ -19,16 +19,11 @@ import torch.distributed as dist
 from modelparallel.config import Config, ConfigError
 from modelparallel.context import ParallelContext
 from modelparallel.smp import fsdp1_hook
+from modelparallel.smp.errors import NotInitializedError
 from modelparallel.smp.v2_state import V2Attributes
 from modelparallel.topology import CommGroup, Topology, build_mesh
 
 logger = logging.getLogger("modelparallel")
-
-
-class NotInitializedError(RuntimeError):
-    def __init__(self, what: str = "this"):
-        super().__init__(f"modelparallel is not initialized: call mp.init(config) before "
-                         f"using {what}")
 
 
 class State(V2Attributes):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from modelparallel.smp.errors import NotInitializedError
 from modelparallel.smp.rng_tracker import DEFAULT_NAME, RNGStateTracker
 from modelparallel.topology import CommGroup
 
@@ -58,8 +59,6 @@ class V2Attributes:
 
     def _ctx(self, name: str) -> ParallelContext:
         if self._context is None:
-            from modelparallel.smp.state import NotInitializedError
-
             raise NotInitializedError(f"tsm.state.{name}")
         return self._context
 
