@@ -78,6 +78,15 @@ from modelparallel.smp.ranks import (
 )
 from modelparallel.smp.state import NotInitializedError, init, is_initialized, reset, state
 from modelparallel.smp.step import step
+from modelparallel.smp.v1_extras import (
+    gather,
+    is_tracing,
+    num_microbatches,
+    pp_barrier,
+    rdp_barrier,
+    shutdown,
+    tp_barrier,
+)
 from modelparallel.topology import CommGroup, RankType, Topology
 from modelparallel.version import __version__ as __version__
 
@@ -115,6 +124,7 @@ __all__ = [
     "dp_size",
     "find_blocks",
     "full_state_dict",
+    "gather",
     "get_dp_group",
     "get_dp_process_group",
     "get_mp_group",
@@ -129,6 +139,7 @@ __all__ = [
     "get_world_process_group",
     "init",
     "is_initialized",
+    "is_tracing",
     "load_full_state_dict",
     "local_rank",
     "local_size",
@@ -137,11 +148,14 @@ __all__ = [
     "mp_barrier",
     "mp_rank",
     "mp_size",
+    "num_microbatches",
     "observe",
     "partition",
+    "pp_barrier",
     "pp_rank",
     "pp_size",
     "rank",
+    "rdp_barrier",
     "rdp_rank",
     "rdp_size",
     "recv_from",
@@ -154,10 +168,12 @@ __all__ = [
     "set_partition",
     "set_tensor_parallelism",
     "shard",
+    "shutdown",
     "size",
     "state",
     "step",
     "tensor_parallelism",
+    "tp_barrier",
     "tp_rank",
     "tp_register_with_module",
     "tp_size",

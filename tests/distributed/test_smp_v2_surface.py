@@ -162,3 +162,56 @@ def test_expert_parallelism_and_bad_arguments_are_refused(workers):
 def test_context_and_expert_degrees_are_refused(key):
     with pytest.raises(ConfigError, match=f"{key}: 2 is not supported yet"):
         tsm.Config.load({key: 2}, environ={})
+
+
+SEEN_TRACING: list[bool] = []
+
+
+class Recorder(torch.nn.Module):
+    """A layer that notes whether SMP's tracing step is running."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        SEEN_TRACING.append(tsm.is_tracing())
+        return torch.relu(self.linear(x))
+
+
+def v1_calls_case():
+    tsm.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
+              "ddp": True})
+    SEEN_TRACING.clear()
+    got = {"microbatches": tsm.num_microbatches()}
+    got["gather"] = tsm.gather(tsm.rank(), tsm.PP_GROUP, rank=1)
+    tsm.pp_barrier()
+    tsm.tp_barrier()
+    tsm.rdp_barrier()
+    torch.manual_seed(0)
+    model = tsm.DistributedModel(torch.nn.Sequential(*[Recorder() for _ in range(4)]))
+
+    @tsm.step
+    def forward(model, x):
+        out = model(x)
+        model.backward(out.sum())
+        return out
+
+    forward(model, torch.ones(4, 8))
+    got["tracing"] = sorted(set(SEEN_TRACING))
+    got["after"] = tsm.is_tracing()
+    return got
+
+
+def test_smp_v1_group_calls_and_tracing_flag(workers):
+    results = workers(4).run(v1_calls_case)
+    topo = tsm.Topology.from_config(tsm.Config.load(
+        {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}, environ={}), 4)
+    for rank, got in enumerate(results):
+        assert got["microbatches"] == 2
+        pp_group = topo.group_ranks(rank, CommGroup.PP_GROUP)
+        assert got["gather"] == (pp_group if rank == pp_group[1] else None)
+        # rank 0 runs the tracing step (its timings decide the split for every rank),
+        # then every rank runs its layers' real microbatches
+        assert got["tracing"] == ([False, True] if rank == 0 else [False])
+        assert got["after"] is False
