@@ -67,17 +67,35 @@ def read_source(source: Mapping[str, Any] | str | os.PathLike | None) -> dict[st
 
 
 def read_launcher_config(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The launcher's ``MP_CONFIG`` (a JSON object) from ``environ``; {} when unset."""
-    text = environ.get("MP_CONFIG")
+    """The launcher's configuration (a JSON object) from ``environ``; {} when unset.
+
+    ``MP_CONFIG`` is modelparallel's launcher's; ``SM_HP_MP_PARAMETERS`` is what
+    SageMaker sets from the estimator's ``distribution`` (SMP reads it the same way:
+    over the script's configuration). Both set: they must agree on every key.
+    """
+    launcher: dict[str, Any] = {}
+    for name in ("SM_HP_MP_PARAMETERS", "MP_CONFIG"):
+        found = _read_json_object(environ, name)
+        clash = {k for k in found.keys() & launcher.keys() if found[k] != launcher[k]}
+        if clash:
+            raise ConfigError([(k, f"SM_HP_MP_PARAMETERS says {launcher[k]!r} but MP_CONFIG "
+                                   f"says {found[k]!r}; set it in one of them")
+                               for k in sorted(clash)])
+        launcher |= found
+    return launcher
+
+
+def _read_json_object(environ: Mapping[str, str], name: str) -> dict[str, Any]:
+    text = environ.get(name)
     if not text:
         return {}
     try:
         launcher = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError([("MP_CONFIG", f"is not valid JSON ({e})")]) from None
+        raise ConfigError([(name, f"is not valid JSON ({e})")]) from None
     if not isinstance(launcher, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean",
                 type(None): "null"}.get(type(launcher), "a number")
-        raise ConfigError([("MP_CONFIG", f"holds {kind}; expected a JSON object "
-                                         f"of keys to values")])
+        raise ConfigError([(name, f"holds {kind}; expected a JSON object "
+                                  f"of keys to values")])
     return unwrap(launcher)

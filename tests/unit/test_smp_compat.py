@@ -151,3 +151,16 @@ def test_test_utils_dump_and_verify(tmp_path):
         model.bias[0] += 1e-3
     with pytest.raises(AssertionError, match=r"bias: differs by up to 0\.001"):
         verify(path, model.state_dict())
+
+
+def test_sagemaker_estimator_parameters_override_the_script():
+    import json
+
+    from modelparallel.config import Config, ConfigError
+
+    env = {"SM_HP_MP_PARAMETERS": json.dumps({"tensor_parallel_degree": 2, "ddp": True})}
+    config = Config.load({"tensor_parallel_degree": 4, "microbatches": 2}, environ=env)
+    assert (config.tensor_parallel_degree, config.microbatches) == (2, 2)
+    env["MP_CONFIG"] = json.dumps({"tensor_parallel_degree": 8})
+    with pytest.raises(ConfigError, match="SM_HP_MP_PARAMETERS says 2 but MP_CONFIG says 8"):
+        Config.load({}, environ=env)
