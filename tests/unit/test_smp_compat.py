@@ -164,3 +164,31 @@ def test_sagemaker_estimator_parameters_override_the_script():
     env["MP_CONFIG"] = json.dumps({"tensor_parallel_degree": 8})
     with pytest.raises(ConfigError, match="SM_HP_MP_PARAMETERS says 2 but MP_CONFIG says 8"):
         Config.load({}, environ=env)
+
+
+def test_v2_utilities_in_one_process():
+    code = """
+import torch.distributed as dist
+import torch.sagemaker as tsm
+from torch.sagemaker.logger import get_logger
+from torch.sagemaker.utils import utils as tsm_utils
+from torch.sagemaker.utils.process_group_utils import get_global_ranks
+
+tsm.init()
+assert tsm.is_initialized() and dist.is_initialized()
+assert get_global_ranks(dist.group.WORLD) == [0] == get_global_ranks()
+get_logger().info("hello from the script")
+with tsm_utils.timeit(True, "Model creation", 0):
+    pass
+with tsm_utils.timeit(True, "not on this rank", 1):
+    pass
+tsm.shutdown()
+assert not tsm.is_initialized() and not dist.is_initialized()
+print("ok")
+"""
+    done = _run(code, MODELPARALLEL_COMPAT="sagemaker")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    lines = [line for line in done.stderr.splitlines() if "modelparallel.script" in line]
+    assert len(lines) == 2, done.stderr
+    assert lines[0].endswith("INFO [rank 0] modelparallel.script: hello from the script")
+    assert "Model creation took " in lines[1]
