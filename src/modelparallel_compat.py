@@ -65,6 +65,12 @@ MODELPARALLEL: dict[str, str | None] = {
     "modelparallel.logger": "modelparallel.smp.logger",
     "modelparallel.utils": "modelparallel.smp.utils",
     "modelparallel.checkpoint.utils": "modelparallel.smp.utils.checkpoint_utils",
+    "modelparallel.checkpoint.constants": "modelparallel.smp.v2_checkpoint.constants",
+    "modelparallel.distributed": None,
+    "modelparallel.distributed.checkpoint": "modelparallel.smp.v2_checkpoint",
+    "modelparallel.distributed.fsdp": None,
+    "modelparallel.distributed.fsdp.checkpoint":
+        "modelparallel.smp.v2_checkpoint.fsdp_checkpoint",
     "modelparallel.moe": "modelparallel.smp.moe",
     "modelparallel.moe.moe_config": "modelparallel.smp.moe",
     "modelparallel.moe.moe_layer": "modelparallel.smp.moe",

@@ -31,6 +31,7 @@ from modelparallel.parallel.tensor import (
 )
 from modelparallel.smp import checkpoints as checkpoint
 from modelparallel.smp import observe
+from modelparallel.smp import offload as _offload  # noqa: F401  torch's offload_wrapper follows sm_activation_offloading
 from modelparallel.smp.appliers import replicate, shard, transform
 from modelparallel.smp.checkpoints import resume_from_checkpoint, save_checkpoint
 from modelparallel.smp.model import DistributedModel, partition, set_partition

@@ -8,6 +8,7 @@ import concurrent.futures
 import datetime
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -132,33 +133,54 @@ _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="mp-checkpoint-commit")
 
 
-def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike,
-               ctx: ParallelContext | None, planner: SavePlanner | None = None,
-               process_group: dist.ProcessGroup | None = None) -> concurrent.futures.Future:
+def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
+               ctx: ParallelContext | None, storage_writer: StorageWriter | None = None,
+               planner: SavePlanner | None = None,
+               process_group: dist.ProcessGroup | None = None,
+               after: Callable[[], None] | None = None) -> concurrent.futures.Future:
     """Like :func:`save`, but return as soon as the state is copied to CPU memory; the
     writing and the commit run in the background. The returned future completes on
-    every rank once the checkpoint is committed; wait for it before the next save.
+    every rank once the checkpoint is committed (and ``after()`` ran, in the
+    background); wait for it before the next save. With a ``storage_writer`` the
+    caller chose the storage: plain DCP into it, no commit.
 
     The background collectives run on a separate gloo group, so they never interleave
     with the training's collectives.
     """
+    what = os.fspath(checkpoint_id) if checkpoint_id is not None else \
+        str(getattr(storage_writer, "path", "storage_writer"))
     if _world(process_group):
-        guard.check_every_rank_calls(f"mp.checkpoint.async_save({os.fspath(checkpoint_id)!r})",
-                                     ctx)
-    group = process_group
-    if dist.is_initialized():
-        key = process_group or dist.group.WORLD
-        if key not in _async_groups:
-            ranks = dist.get_process_group_ranks(key)
-            _async_groups[key] = dist.new_group(ranks, backend="gloo",
-                                                timeout=_timeout(ctx))
-        group = _async_groups[key]
+        guard.check_every_rank_calls(f"mp.checkpoint.async_save({what!r})", ctx)
+    group = background_group(process_group, ctx)
+    if storage_writer is not None:
+        inner = run_dcp(torch_dcp.async_save, state_dict, storage_writer=storage_writer,
+                        planner=planner, process_group=group)
+        return _executor.submit(_finish_async, inner, what, None, group, after)
+    if checkpoint_id is None:
+        raise ValueError("async_save needs a checkpoint_id or a storage_writer")
     location, name = _split(checkpoint_id)
     tmp = temporary_name(name, process_group)
     inner = run_dcp(torch_dcp.async_save, state_dict,
                     storage_writer=writer_for(location.url(tmp)), planner=planner,
                     process_group=group)
-    return _executor.submit(_finish_async, inner, location, tmp, name, group)
+    return _executor.submit(_finish_async, inner, location.url(name), (location, tmp, name),
+                            group, after)
+
+
+def background_group(process_group: dist.ProcessGroup | None,
+                     ctx: ParallelContext | None) -> dist.ProcessGroup | None:
+    """A gloo group of the same ranks as ``process_group`` (default: the world) for
+    background checkpoint collectives, made once. Of a subgroup, only its members take
+    part in making it (they may be the only ranks that save)."""
+    if not dist.is_initialized():
+        return process_group
+    key = process_group or dist.group.WORLD
+    if key not in _async_groups:
+        ranks = dist.get_process_group_ranks(key)
+        _async_groups[key] = dist.new_group(
+            ranks, backend="gloo", timeout=_timeout(ctx),
+            use_local_synchronization=len(ranks) < dist.get_world_size())
+    return _async_groups[key]
 
 
 def _timeout(ctx: ParallelContext | None) -> datetime.timedelta | None:
@@ -166,14 +188,17 @@ def _timeout(ctx: ParallelContext | None) -> datetime.timedelta | None:
     return ctx.collective_timeout if ctx is not None else None
 
 
-def _finish_async(inner: concurrent.futures.Future, location: Location, tmp: str, name: str,
-                  group) -> None:
+def _finish_async(inner: concurrent.futures.Future, what: str,
+                  commit: tuple[Location, str, str] | None, group,
+                  after: Callable[[], None] | None) -> None:
     try:
         inner.result()
     except (Exception, torch_dcp.CheckpointException) as e:
-        raise CheckpointError(f"async_save to {location.url(name)} failed: "
-                              f"{_first_failure(e)}") from e
-    commit_directory(location, tmp, name, group)
+        raise CheckpointError(f"async_save to {what} failed: {_first_failure(e)}") from e
+    if commit is not None:
+        commit_directory(*commit, group)
+    if after is not None:
+        after()
 
 
 def run_dcp(fn, state_dict: dict[str, Any], *, context: str = "", **kwargs: Any) -> Any:

@@ -15,7 +15,6 @@ from modelparallel.checkpoint.manager import info, newest
 from modelparallel.checkpoint.storage import CheckpointError
 from modelparallel.smp import registry
 from modelparallel.smp.state import state
-from modelparallel.smp.utils import checkpoint_utils as utils  # tsm.checkpoint.utils
 
 
 def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
@@ -90,5 +89,17 @@ __all__ = [
     "resume_from_checkpoint",
     "save",
     "save_checkpoint",
-    "utils",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``mp.checkpoint`` is this module, while the path ``modelparallel.checkpoint`` is
+    the core package: ``import modelparallel.checkpoint.utils as u`` (SMP v2's
+    ``torch.sagemaker.checkpoint.utils``) reads the submodule through this attribute."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"modelparallel.checkpoint.{name}")
+    except ModuleNotFoundError:
+        raise AttributeError(f"module 'modelparallel.checkpoint' has no attribute "
+                             f"{name!r}") from None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from modelparallel.parallel.offload import loading_horizon
 from modelparallel.smp.errors import NotInitializedError
 from modelparallel.smp.rng_tracker import DEFAULT_NAME, RNGStateTracker
 from modelparallel.topology import CommGroup
@@ -201,8 +202,8 @@ class V2Attributes:
     @property
     def activation_loading_horizon(self) -> int:
         """The configured horizon, or SMP v2's default (2) when none is set."""
-        horizon = self._ctx("activation_loading_horizon").config.activation_loading_horizon
-        return 2 if horizon is None else horizon
+        config = self._ctx("activation_loading_horizon").config
+        return loading_horizon(config.activation_loading_horizon, v2=True)
 
     @property
     def cfg(self) -> Any:
