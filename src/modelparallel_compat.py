@@ -71,6 +71,10 @@ MODELPARALLEL: dict[str, str | None] = {
     "modelparallel.distributed.fsdp": None,
     "modelparallel.distributed.fsdp.checkpoint":
         "modelparallel.smp.v2_checkpoint.fsdp_checkpoint",
+    "modelparallel.nn": "modelparallel.smp.nn",
+    "modelparallel.tensor_parallel": None,
+    "modelparallel.tensor_parallel.transformer":
+        "modelparallel.smp.nn.tensor_parallel_transformer",
     "modelparallel.moe": "modelparallel.smp.moe",
     "modelparallel.moe.moe_config": "modelparallel.smp.moe",
     "modelparallel.moe.moe_layer": "modelparallel.smp.moe",

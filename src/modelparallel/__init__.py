@@ -30,7 +30,7 @@ from modelparallel.parallel.tensor import (
     tp_register_with_module,
 )
 from modelparallel.smp import checkpoints as checkpoint
-from modelparallel.smp import observe
+from modelparallel.smp import nn, observe
 from modelparallel.smp import offload as _offload  # noqa: F401  torch's offload_wrapper follows sm_activation_offloading
 from modelparallel.smp.appliers import replicate, shard, transform
 from modelparallel.smp.checkpoints import resume_from_checkpoint, save_checkpoint
@@ -149,6 +149,7 @@ __all__ = [
     "mp_barrier",
     "mp_rank",
     "mp_size",
+    "nn",
     "num_microbatches",
     "observe",
     "partition",
