@@ -71,6 +71,16 @@ MODELPARALLEL: dict[str, str | None] = {
     "modelparallel.distributed.fsdp": None,
     "modelparallel.distributed.fsdp.checkpoint":
         "modelparallel.smp.v2_checkpoint.fsdp_checkpoint",
+    "modelparallel.amp": "modelparallel.smp.amp",
+    "modelparallel.delayed_param": "modelparallel.smp.delayed_param",
+    "modelparallel.utils.module_utils": "modelparallel.smp.delayed_param",
+    "modelparallel.ranker": "modelparallel.smp.ranker",
+    "modelparallel.state_handler": "modelparallel.smp.state",
+    "modelparallel.state_mod": "modelparallel.smp.state",
+    "modelparallel.context_parallel": None,
+    "modelparallel.context_parallel.utils": "modelparallel.smp.context_parallel",
+    "modelparallel.distributed.fsdp.fully_sharded_data_parallel": "modelparallel.smp.fsdp_hooks",
+    "modelparallel.optimizers": "modelparallel.smp.optimizers",
     "modelparallel.nn": "modelparallel.smp.nn",
     "modelparallel.tensor_parallel": None,
     "modelparallel.tensor_parallel.transformer":

@@ -26,14 +26,15 @@ from modelparallel.parallel.tensor import (
     TPPlan,
     loss_parallel,
     set_tensor_parallelism,
-    tensor_parallelism,
     tp_register_with_module,
 )
+from modelparallel.smp import amp, nn, observe, optimizers, ranker
 from modelparallel.smp import checkpoints as checkpoint
-from modelparallel.smp import nn, observe
 from modelparallel.smp import offload as _offload  # noqa: F401  torch's offload_wrapper follows sm_activation_offloading
 from modelparallel.smp.appliers import replicate, shard, transform
 from modelparallel.smp.checkpoints import resume_from_checkpoint, save_checkpoint
+from modelparallel.smp.delayed_param import delay_param_initialization, model_creation
+from modelparallel.smp.logger import get_logger
 from modelparallel.smp.model import DistributedModel, partition, set_partition
 from modelparallel.smp.optimizer import DistributedOptimizer
 from modelparallel.smp.ranks import (
@@ -77,8 +78,10 @@ from modelparallel.smp.ranks import (
     tp_rank,
     tp_size,
 )
+from modelparallel.smp.save_load import load, save
 from modelparallel.smp.state import NotInitializedError, init, is_initialized, reset, state
 from modelparallel.smp.step import step
+from modelparallel.smp.tp_context import tensor_parallelism
 from modelparallel.smp.v1_extras import (
     gather,
     is_tracing,
@@ -115,11 +118,13 @@ __all__ = [
     "TPPlan",
     "Topology",
     "allgather",
+    "amp",
     "barrier",
     "broadcast",
     "checkpoint",
     "clip_grad_norm_",
     "data",
+    "delay_param_initialization",
     "dp_barrier",
     "dp_rank",
     "dp_size",
@@ -128,6 +133,7 @@ __all__ = [
     "gather",
     "get_dp_group",
     "get_dp_process_group",
+    "get_logger",
     "get_mp_group",
     "get_mp_process_group",
     "get_pp_group",
@@ -141,10 +147,12 @@ __all__ = [
     "init",
     "is_initialized",
     "is_tracing",
+    "load",
     "load_full_state_dict",
     "local_rank",
     "local_size",
     "loss_parallel",
+    "model_creation",
     "models",
     "mp_barrier",
     "mp_rank",
@@ -152,11 +160,13 @@ __all__ = [
     "nn",
     "num_microbatches",
     "observe",
+    "optimizers",
     "partition",
     "pp_barrier",
     "pp_rank",
     "pp_size",
     "rank",
+    "ranker",
     "rdp_barrier",
     "rdp_rank",
     "rdp_size",
@@ -164,6 +174,7 @@ __all__ = [
     "replicate",
     "reset",
     "resume_from_checkpoint",
+    "save",
     "save_checkpoint",
     "send",
     "set_activation_checkpointing",

@@ -111,24 +111,26 @@ class Config:
         False, "ranks of one tensor-parallel group read the same batch (sample by rdp_rank); "
         "False: each reads its own and the group concatenates them")
     shard_optimizer_state: bool = _key(
-        False, "shard optimizer state over data-parallel ranks",
-        not_built="use hybrid_shard_degree to shard optimizer state with FSDP")
+        False, "mp.DistributedOptimizer keeps each parameter's optimizer state on one "
+               "data-parallel replica (ZeRO-1; replicas, i.e. ddp=True or "
+               "hybrid_shard_degree=1: FSDP shards the state already)")
     # -- precision -------------------------------------------------------------------
     bf16: bool = _key(False, "bfloat16 mixed precision")
     fp16: bool = _key(False, "float16 mixed precision")
     fp16_params: bool = _key(False, "SMP v1.6-1.9 name of fp16")
     # -- memory ----------------------------------------------------------------------
-    offload_activations: bool = _key(False, "offload checkpointed activations to CPU",
-                                     not_built="activation offloading is not built yet")
-    sm_activation_offloading: bool = _key(False, "SMP v2 name of offload_activations",
-                                          not_built="activation offloading is not built yet")
-    activation_loading_horizon: int = _key(
-        4, "how many offloaded activations may be back on the GPU awaiting backward "
-           "(only meaningful with activation offloading)", minimum=1,
-        not_built="activation offloading is not built yet")
+    offload_activations: bool = _key(
+        False, "SMP v1: DistributedModel offloads the inputs of checkpointed modules to CPU "
+               "and prefetches them for backward")
+    sm_activation_offloading: bool = _key(
+        True, "SMP v2: torch's offload_wrapper prefetches within activation_loading_horizon "
+              "(False: torch's own save_on_cpu)")
+    activation_loading_horizon: int | None = _key(
+        None, "most checkpointed layers whose offloaded inputs are back on the device awaiting "
+              "backward (default: 4 for offload_activations, 2 for offload_wrapper)", minimum=1)
     delayed_parameter_initialization: bool = _key(
-        False, "initialize parameters only after they are sharded",
-        not_built="delayed parameter initialization is not built yet")
+        False, "smp.model_creation() delays parameter initialization: parameters are "
+               "allocated and initialised by the DistributedModel, only where they are held")
     # -- tensor parallel -------------------------------------------------------------
     random_seed: int = _key(12345, "seed of the random state of distributed modules",
                             minimum=0)
@@ -353,6 +355,11 @@ class Config:
             self.pipeline, self.stages_per_rank, self.microbatches,
             self.pipeline_parallel_degree, self.active_microbatches))
         sdp = self.sharded_data_parallel_degree
+        if sdp > 1 and self.shard_optimizer_state:
+            problems.append(("shard_optimizer_state",
+                             f"True cannot be combined with sharded_data_parallel_degree={sdp}, "
+                             "which shards the optimizer state already (SMP v1 refuses it "
+                             "too); set shard_optimizer_state to False"))
         if sdp > 1 and self.hybrid_shard_degree not in (0, sdp):
             problems.append(("sharded_data_parallel_degree",
                              f"{sdp} conflicts with hybrid_shard_degree="

@@ -73,7 +73,7 @@ def get_local_size() -> int:
 def DistributedDataParallel(module: nn.Module, device_ids: list[Any] | None = None,
                             output_device: Any = None, broadcast_buffers: bool = True,
                             process_group: Any = None, bucket_cap_mb: float | None = None,
-                            **kwargs: Any) -> nn.Module:
+                            **kwargs: Any) -> nn.parallel.DistributedDataParallel | nn.Module:
     """``torch.nn.parallel.DistributedDataParallel`` over the data-parallel ranks (a
     tensor-parallel model is replicated in place and returned as it is: ``mp.replicate``).
 

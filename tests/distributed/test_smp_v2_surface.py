@@ -173,6 +173,7 @@ class Recorder(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x):
         SEEN_TRACING.append(tsm.is_tracing())
@@ -197,9 +198,20 @@ def v1_calls_case():
         model.backward(out.sum())
         return out
 
+    hooked = []
+    model.register_post_step_hook(lambda m, opt: hooked.append(m is model))
     forward(model, torch.ones(4, 8))
+    forward(model, torch.ones(4, 8))
+    got["hooked"] = hooked  # once, after the first step
     got["tracing"] = sorted(set(SEEN_TRACING))
     got["after"] = tsm.is_tracing()
+    got["local_modules"] = [n for n, _ in model.local_named_modules()]
+    got["local_buffers"] = [n for n, _ in model.local_named_buffers()]
+    got["distributed"] = list(model.distributed_modules())  # no TP plan: nothing split
+    with pytest.raises(NotImplementedError, match="uneven inputs"), model.join():
+        pass
+    with pytest.raises(NotImplementedError, match=r"register_comm_hook\(\) is not supported"):
+        model.register_comm_hook(None, lambda *a: None)
     return got
 
 
@@ -215,3 +227,9 @@ def test_smp_v1_group_calls_and_tracing_flag(workers):
         # then every rank runs its layers' real microbatches
         assert got["tracing"] == ([False, True] if rank == 0 else [False])
         assert got["after"] is False
+        assert got["hooked"] == [True]
+        stage = topo.coordinate(rank)["pp"]  # 4 equal layers: 2 per stage
+        layers = [str(2 * stage), str(2 * stage + 1)]
+        assert [n for n in got["local_modules"] if n.count(".") == 0 and n] == layers
+        assert got["local_buffers"] == [f"{n}.calls" for n in layers]
+        assert got["distributed"] == []

@@ -66,7 +66,9 @@ class TestDefaults:
         ("hybrid_shard_degree", 0),
         ("sharded_data_parallel_degree", 1),
         ("random_seed", 12345),
-        ("activation_loading_horizon", 4),
+        ("activation_loading_horizon", None),  # SMP's: 4 for v1 offloading, 2 for v2
+        ("offload_activations", False),
+        ("sm_activation_offloading", True),  # SMP v2's default
         ("sdp_reduce_bucket_size", 500_000_000),
         ("memory_weight", None),
         ("active_microbatches", None),
@@ -445,7 +447,8 @@ EFFECT_KEYS = {
     "virtual_stages", "active_microbatches", "auto_partition", "default_partition",
     "memory_weight", "optimize", "ddp", "ddp_dist_backend", "collective_timeout",
     "prescaled_batch", "bf16", "fp16", "fp16_params", "random_seed", "tensor_parallel_seed",
-    "sdp_gradient_clipping",
+    "sdp_gradient_clipping", "offload_activations", "sm_activation_offloading",
+    "activation_loading_horizon", "shard_optimizer_state", "delayed_parameter_initialization",
 }
 
 # key: (a non-default value, the reason logged)
@@ -489,17 +492,6 @@ REFUSED = {
                                   "yet); valid value: 1"),
     "horovod": (True, "True is not supported yet (modelparallel uses torch.distributed, not "
                       "Horovod); valid value: False"),
-    "shard_optimizer_state": (True, "True is not supported yet (use hybrid_shard_degree to "
-                                    "shard optimizer state with FSDP); valid value: False"),
-    "offload_activations": (True, "True is not supported yet (activation offloading is not "
-                                  "built yet); valid value: False"),
-    "sm_activation_offloading": (True, "True is not supported yet (activation offloading is "
-                                       "not built yet); valid value: False"),
-    "activation_loading_horizon": (2, "2 is not supported yet (activation offloading is not "
-                                      "built yet); valid value: 4"),
-    "delayed_parameter_initialization": (True, "True is not supported yet (delayed parameter "
-                                               "initialization is not built yet); valid value: "
-                                               "False"),
 }
 
 
@@ -622,17 +614,28 @@ class TestRefusedKeys:
         assert getattr(load({key: default}), key) == default
         assert caplog.records == []
 
-    @pytest.mark.parametrize("value", [1, 3, 8])
-    def test_activation_loading_horizon_other_values_refused(self, value):
+    def test_refused_key_from_mp_config(self):
+        err = error_of({}, MP_CONFIG=json.dumps({"context_parallel_degree": 2}))
+        assert message_for(err, "context_parallel_degree") == \
+            REFUSED["context_parallel_degree"][1]
+
+
+class TestActivationOffloading:
+    """offload_activations, sm_activation_offloading and activation_loading_horizon act
+    (tests/unit/test_activation_offloader.py); the horizon is a positive int."""
+
+    @pytest.mark.parametrize("value", [1, 2, 3, 8])
+    def test_horizon_accepted(self, value):
+        config = load({"activation_loading_horizon": value, "offload_activations": True,
+                       "sm_activation_offloading": False})
+        assert (config.activation_loading_horizon, config.offload_activations,
+                config.sm_activation_offloading) == (value, True, False)
+
+    @pytest.mark.parametrize("value", [0, -1])
+    def test_horizon_below_one_refused(self, value):
         msg = message_for(error_of({"activation_loading_horizon": value}),
                           "activation_loading_horizon")
-        assert msg == (f"{value} is not supported yet (activation offloading is not built "
-                       f"yet); valid value: 4")
-
-    def test_refused_key_from_mp_config(self):
-        err = error_of({}, MP_CONFIG=json.dumps({"activation_loading_horizon": 2}))
-        assert message_for(err, "activation_loading_horizon") == \
-            REFUSED["activation_loading_horizon"][1]
+        assert msg == f"{value!r} is out of range; must be >= 1"
 
 
 class TestTensorParallelSeed:

@@ -9,7 +9,6 @@ import pytest
 from modelparallel.config import ConfigError
 from modelparallel.parallel.pipeline.partition import (
     balance,
-    check_outer,
     describe,
     manual_starts,
 )
@@ -220,22 +219,16 @@ def test_manual_bad_stages():
     assert err.value.keys == ["pipeline_parallel_degree"]
 
 
-def test_outer_modules():
-    check_outer("before", {"embed": 0, "pos": 0}, 0)
-    check_outer("after", {"norm": 3, "head": 3}, 3)
-    check_outer("after", {}, 3)
-    with pytest.raises(ConfigError) as err:
-        check_outer("before", {"embed": 1, "pos": 0}, 0)
-    assert err.value.keys == ["partition"]
-    msg = str(err.value)
-    assert "'embed' is placed on stage 1" in msg and "stage 0" in msg and "pos" not in msg
-    with pytest.raises(ConfigError) as err:
-        check_outer("after", {"norm": 0, "head": 2}, 3)
-    assert err.value.keys == ["partition", "partition"]
-    assert "'head' is placed on stage 2" in str(err.value)
-    assert "must be on the last stage, 3" in str(err.value)
-    with pytest.raises(ValueError):
-        check_outer("middle", {}, 0)
+def test_unplaced_layers_keep_the_stages_contiguous():
+    """Unplaced layers go to default_partition, moved to the nearest stage between the
+    placed layers around them: an unplaced norm and head after a last block placed on
+    the last stage follow it there; embeddings before the first placed block stay on 0."""
+    names = ["embed", "pos", "b0", "b1", "b2", "b3", "norm", "head"]
+    assert manual_starts([None, None, 0, 0, 0, 1, None, None], 2, 0, names) == [0, 5]
+    assert manual_starts([None, None, 0, 1, 1, 1, None, None], 2, 1, names) == [0, 3]
+    # between two placed layers on stages 1 and 2, default 0 becomes 1, default 3 becomes 2
+    assert manual_starts([0, 1, None, 2, 3], 4, 0, names[:5]) == [0, 1, 3, 4]
+    assert manual_starts([0, 1, None, 2, 3], 4, 3, names[:5]) == [0, 1, 2, 4]
 
 
 # -- the table --------------------------------------------------------------------------
@@ -251,6 +244,15 @@ def test_describe():
     for k, row in enumerate(lines[2:]):
         assert row.split()[0] == str(k)
     assert "25.0%" in lines[2] and "37.5%" in lines[3] and "12.5%" in lines[5]
+
+
+def test_describe_names_runs_of_one_container_as_a_range():
+    names = ["tok_emb", "pos_emb", "blocks.0", "blocks.1", "blocks.2", "ln_f", "lm_head"]
+    rows = describe([0, 4], names, None, None, [], []).splitlines()[2:]
+    assert "tok_emb, pos_emb + blocks.0 .. blocks.1" in rows[0]
+    assert "blocks.2 + ln_f, lm_head" in rows[1]
+    cnn = describe([0, 2], ["conv1", "conv2", "fc1", "fc2"], None, None, [], [])
+    assert "conv1, conv2" in cnn and "fc1, fc2" in cnn
 
 
 def test_describe_with_outer_costs_and_unknown_costs():

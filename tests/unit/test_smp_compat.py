@@ -192,3 +192,29 @@ print("ok")
     assert len(lines) == 2, done.stderr
     assert lines[0].endswith("INFO [rank 0] modelparallel.script: hello from the script")
     assert "Model creation took " in lines[1]
+
+
+def test_v2_refusals_and_no_effect_calls(caplog):
+    import logging
+
+    import modelparallel.state_mod
+    from modelparallel.context_parallel.utils import setup_transformer_engine_cp_groups
+    from modelparallel.distributed.fsdp.fully_sharded_data_parallel import (
+        register_tp_processing_pre_comm_hook,
+    )
+    from modelparallel.moe.moe_config import MoEConfig
+    from modelparallel.moe.moe_layer import MoELayer
+    from modelparallel.state_handler import state
+    from modelparallel.tensor_parallel.transformer import TETransformerLayer
+
+    assert state is modelparallel.state and modelparallel.state_mod.state is state
+    with pytest.raises(NotImplementedError, match="context parallelism .* not supported yet"):
+        setup_transformer_engine_cp_groups(None, [0, 1])
+    with pytest.raises(NotImplementedError, match="expert parallelism .* not supported yet"):
+        MoELayer(MoEConfig())
+    with pytest.raises(TypeError, match="TransformerEngine's layer, which modelparallel does "
+                                        "not use"):
+        TETransformerLayer()
+    with caplog.at_level(logging.INFO, logger="modelparallel"):
+        register_tp_processing_pre_comm_hook(torch.nn.Linear(2, 2))
+    assert "register_tp_processing_pre_comm_hook has no effect" in caplog.text

@@ -34,12 +34,36 @@ IMPORT_LINE = [
 ]
 
 LOOKUP = r'''
-import importlib, inspect, json, sys, types, typing
+import importlib, inspect, json, re, sys, types, typing
+
+def assigned_in_init(cls, attr):
+    """Whether some class of ``cls``'s MRO sets ``self.<attr>`` in ``__init__``."""
+    for klass in getattr(cls, "__mro__", ()):
+        init = klass.__dict__.get("__init__")
+        try:
+            source = inspect.getsource(init) if init is not None else ""
+        except (OSError, TypeError):
+            continue
+        if re.search(rf"self\.{attr}\s*(:[^=]*)?=", source):
+            return True
+    return False
 
 def static(obj, attr):
     if isinstance(obj, types.ModuleType):
         return getattr(obj, attr)
-    value = inspect.getattr_static(obj, attr)
+    if inspect.isfunction(obj):  # a factory (DistributedDataParallel): what it returns
+        hint = typing.get_type_hints(obj).get("return")
+        for kind in typing.get_args(hint) or (hint,):  # any type of a union may have it
+            if isinstance(kind, type) and hasattr(kind, attr):
+                return getattr(kind, attr)
+            if isinstance(kind, type) and assigned_in_init(kind, attr):
+                return object()
+    try:
+        value = inspect.getattr_static(obj, attr)
+    except AttributeError:
+        if isinstance(obj, type) and assigned_in_init(obj, attr):
+            return object()
+        raise
     if isinstance(value, property):
         hint = typing.get_type_hints(value.fget).get("return")
         return hint if isinstance(hint, type) else object()

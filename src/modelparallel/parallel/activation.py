@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from modelparallel.parallel.deferred import recipe_of
 from modelparallel.parallel.placement import is_meta
 
 _ATTR = "_mp_activation_checkpointing"  # preserve_rng_state of a marked module
@@ -42,7 +43,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         if preserve_rng is None:
             continue
         for target in module.children() if isinstance(module, containers) else [module]:
-            if not any(is_meta(p) for p in target.parameters()):
+            # meta parameters are another stage's, unless recorded for delayed
+            # initialization (allocated later, when FSDP shards this rank's units)
+            if not any(is_meta(p) and recipe_of(p) is None for p in target.parameters()):
                 _recompute_in_backward(target, preserve_rng)
 
 

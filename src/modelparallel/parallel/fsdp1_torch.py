@@ -31,6 +31,13 @@ release moves what they use.
   the *local* optimizer's state. An FSDP1 rank whose shard holds none of a parameter
   has none, so it dropped the saved state and skipped the all-gather the other ranks
   of its shard group run for that parameter: a hang, or a gloo abort.
+- :func:`post_param_init`: SMP v2's FSDP1 takes ``post_param_init_fn(module)``, run on
+  each unit's module once ``param_init_fn`` has materialised it (to tie weights before
+  FSDP1 flattens them); torch's has no such argument, so its materialisation step
+  (``_materialize_with_param_init_fn``) is followed by the function here.
+- ``sync_module_states=True`` on a machine without GPUs: torch refuses CPU tensors
+  (``_check_module_states_for_sync_module_states``) because it assumes NCCL; the gloo
+  group modelparallel uses there broadcasts them.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
 import torch.distributed.fsdp._common_utils as fsdp_common_utils
+import torch.distributed.fsdp._init_utils as fsdp_init_utils
 import torch.distributed.fsdp._optim_utils as fsdp_optim_utils
 import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp_module
 from torch import nn
@@ -80,6 +88,10 @@ def install() -> None:
         _set_state_dict_type)
     if _torch_unflatten_optim_state_dict is not None:
         dcp_state_dict._unflatten_optim_state_dict = _unflatten_optim_state_dict
+    if _torch_materialize_with_param_init_fn is not None:
+        fsdp_init_utils._materialize_with_param_init_fn = _materialize_with_param_init_fn
+    if _torch_check_sync_states is not None:
+        fsdp_init_utils._check_module_states_for_sync_module_states = _check_sync_states
 
 
 @contextlib.contextmanager
@@ -279,3 +291,38 @@ def _unflatten_optim_state_dict(optim, state_dict, info):
         for name, value in saved.get(f"state.{fqn}", {}).items():
             param_state.setdefault(name, value)  # the names this rank's optimizer lacks
     return osd
+
+
+# -- post_param_init_fn, and sync_module_states without GPUs -----------------------------
+
+_post_param_init = contextvars.ContextVar("mp_fsdp1_post_param_init", default=None)
+_torch_materialize_with_param_init_fn = getattr(fsdp_init_utils,
+                                                "_materialize_with_param_init_fn", None)
+_torch_check_sync_states = getattr(fsdp_init_utils,
+                                   "_check_module_states_for_sync_module_states", None)
+
+
+def _materialize_with_param_init_fn(root_module, param_init_fn, ignored_modules):
+    _torch_materialize_with_param_init_fn(root_module, param_init_fn, ignored_modules)
+    post = _post_param_init.get()
+    if post is not None:
+        post(root_module)
+
+
+@contextlib.contextmanager
+def post_param_init(fn: Any) -> Iterator[None]:
+    """While constructing FSDP1 (and its auto-wrapped children), ``fn(module)`` runs on
+    each unit's module after ``param_init_fn`` materialised it (SMP v2's
+    ``post_param_init_fn``)."""
+    if fn is not None and not callable(fn):
+        raise ValueError(f"post_param_init_fn must be callable, got {fn!r}")
+    token = _post_param_init.set(fn)
+    try:
+        yield
+    finally:
+        _post_param_init.reset(token)
+
+
+def _check_sync_states(module_states):
+    if torch.cuda.is_available():
+        _torch_check_sync_states(module_states)

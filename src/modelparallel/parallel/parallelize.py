@@ -4,9 +4,13 @@
 
 1. placement on the rank's device, and every replica starts from the first
    data-parallel rank's values (``replicas.synchronize``, as SMP v1 broadcasts);
+   parameters recorded by ``delay_param_initialization`` are allocated and initialised
+   here, only those the rank holds, or (with FSDP) unit by unit just before step 4
+   shards each unit (``delayed_init``);
 2. tensor parallelism per the model's plans, with the precision policy
    (``tensor.transform``);
-3. activation checkpointing of the modules marked for it (``activation``);
+3. activation checkpointing of the modules marked for it (``activation``), and with
+   ``offload_activations`` their inputs offloaded to CPU (``offload_roots``);
 4. data parallelism: FSDP2 units bottom-up (``sharding.fully_shard_units``) when the
    configuration shards, else nothing here: the caller's gradient rule averages the
    replicas (``pipeline.gradients.GradientSync``).
@@ -30,7 +34,11 @@ from torch.distributed.tensor import DTensor
 from modelparallel.context import ParallelContext
 from modelparallel.parallel import replicas
 from modelparallel.parallel.activation import apply_activation_checkpointing
-from modelparallel.parallel.placement import to_device
+from modelparallel.parallel.deferred import recipe_of
+from modelparallel.parallel.delayed_init import Materializer
+from modelparallel.parallel.offload import loading_horizon
+from modelparallel.parallel.offload_roots import offload_checkpointed
+from modelparallel.parallel.placement import is_meta, to_device
 from modelparallel.parallel.sharding import fully_shard_units
 from modelparallel.parallel.tensor.transform import tied_groups, tp_ranks_are_replicas, transform
 
@@ -51,20 +59,39 @@ def parallelize(model: nn.Module, units: list[str], ctx: ParallelContext) -> Par
     one unit. Parameters are replaced by DTensors."""
     tied = tied_groups(model)
     to_device(model, ctx.device)  # SMP v1 places each stage on its rank's device
+    modules = [model.get_submodule(path) for path in units]
+    materialize = _delayed(model, modules, ctx)
     replicas.synchronize(model, ctx)  # SMP v1 broadcasts from data-parallel rank 0
     transform(model, ctx)
     tp_replicas = tp_ranks_are_replicas(model, ctx.topology.tp)
     apply_activation_checkpointing(model)
+    if ctx.config.offload_activations:  # SMP v1: the checkpointed layers' inputs to CPU
+        offload_checkpointed(model, ctx.device,
+                             loading_horizon(ctx.config.activation_loading_horizon, v2=False))
     if not ctx.shards_pipeline_stages:
         return Parallelized(set(), tp_replicas)
-    modules = [model.get_submodule(path) for path in units]
     units_of_tied = [group if len(group) > 1 else group[0] for group in _merge_tied(modules)]
-    fully_shard_units(units_of_tied, ctx, tp_replicas=tp_replicas)
+    fully_shard_units(units_of_tied, ctx, tp_replicas=tp_replicas, materialize=materialize)
     _retie(tied, {id(m) for unit in modules for m in unit.modules()})
     fsdp = {id(p) for path in units for p in model.get_submodule(path).parameters()
             if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names
             and set(p.device_mesh.mesh_dim_names) & {"dp_shard", "dp_replicate"}}
     return Parallelized(fsdp, tp_replicas)
+
+
+def _delayed(model: nn.Module, held: list[nn.Module],
+             ctx: ParallelContext) -> Materializer | None:
+    """Parameters recorded by ``delay_param_initialization`` that this rank holds: with
+    FSDP (and no tensor parallelism, which splits whole tensors) each unit is
+    materialised just before it is sharded (returned); otherwise all of them now."""
+    if not any(is_meta(p) and recipe_of(p) is not None for m in held for p in m.parameters()):
+        return None
+    materialize = Materializer(model, ctx, recorded_only=True)
+    if ctx.shards_pipeline_stages and ctx.topology.tp == 1:
+        return materialize
+    for unit in held:
+        materialize.allocate(unit)
+    return None
 
 
 def _merge_tied(modules: list[nn.Module]) -> list[list[nn.Module]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -10,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from modelparallel.config import Config
 from modelparallel.context import ParallelContext
-from modelparallel.parallel import replicas
+from modelparallel.parallel import delayed_init, replicas
 from modelparallel.parallel.blocks import BlockSpec, find_blocks
 from modelparallel.parallel.precision import HALF, require_loss_scaling
 from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
@@ -27,13 +28,20 @@ def mixed_precision_policy(config: Config) -> MixedPrecisionPolicy:
 
 
 def fully_shard_units(units: list[nn.Module | list[nn.Module]], ctx: ParallelContext, *,
-                      tp_replicas: bool, **fully_shard_kwargs) -> None:
+                      tp_replicas: bool,
+                      materialize: Callable[[nn.Module], None] | None = None,
+                      **fully_shard_kwargs) -> None:
     """``fully_shard`` each unit (a module, or modules sharing parameters) in order on the
     data-parallel mesh with the config's precision policy. When the tensor-parallel
-    ranks are replicas of a whole model, FSDP's average also runs over them."""
+    ranks are replicas of a whole model, FSDP's average also runs over them.
+    ``materialize(module)`` runs on each unit's modules just before it is sharded
+    (delayed parameter initialization)."""
     fully_shard_kwargs.setdefault("mp_policy", mixed_precision_policy(ctx.config))
     hook = replicas.average_over_tp(ctx) if tp_replicas else None
     for unit in units:
+        if materialize is not None:
+            for module in unit if isinstance(unit, list) else [unit]:
+                materialize(module)
         sharded = fully_shard(unit, mesh=ctx.data_parallel_mesh(), **fully_shard_kwargs)
         if hook is not None:
             assert isinstance(sharded, FSDPModule)
@@ -42,7 +50,9 @@ def fully_shard_units(units: list[nn.Module | list[nn.Module]], ctx: ParallelCon
 
 def shard(model: nn.Module, ctx: ParallelContext, *, blocks: BlockSpec = None,
           reshard_after_forward: bool | None = None,
-          mp_policy: MixedPrecisionPolicy | None = None, **fully_shard_kwargs) -> nn.Module:
+          mp_policy: MixedPrecisionPolicy | None = None,
+          param_init_fn: Callable[[nn.Module], None] | None = None,
+          **fully_shard_kwargs) -> nn.Module:
     """Shard ``model`` with FSDP2 following ``hybrid_shard_degree``; returns the model.
 
     Every rank first takes the parameters and buffers of the first data-parallel rank
@@ -56,9 +66,25 @@ def shard(model: nn.Module, ctx: ParallelContext, *, blocks: BlockSpec = None,
     select a mixed-precision policy unless ``mp_policy`` is given; with ``fp16`` scale
     the loss with :class:`mp.LossScaler`. A model tensor parallelism did not split is
     trained by the tensor-parallel ranks as data-parallel replicas.
+
+    A model with parameters on the meta device (on any rank: fine-tuning scripts build
+    real weights on rank 0 only) is materialised one unit at a time just before that
+    unit is sharded, so a rank never holds more than its shards and one unit whole:
+    ``param_init_fn(module)`` initialises a module's own parameters, as FSDP1's does
+    (``DelayedParamIniter(model).get_param_init_fn()``); without it, parameters recorded
+    by ``delay_param_initialization`` replay their recipe and other modules call
+    ``reset_parameters()``. Each unit then takes the first data-parallel rank's values.
     """
     say_what_does_not_apply(ctx)
-    replicas.synchronize(model, ctx)
+    materialize = None
+    if delayed_init.held_anywhere(model, ctx):
+        delayed_init.synchronize_buffers(model, ctx)
+        materialize = delayed_init.Materializer(model, ctx, param_init_fn)
+    else:
+        if param_init_fn is not None and ctx.rank == 0:
+            logger.info("mp.shard(param_init_fn=...) has no effect: no parameter is on the "
+                        "meta device")
+        replicas.synchronize(model, ctx)
     units = find_blocks(model, blocks)
     if not units and ctx.rank == 0:
         logger.warning("mp.shard(): found no repeated blocks in %s; the whole model is one "
@@ -67,7 +93,8 @@ def shard(model: nn.Module, ctx: ParallelContext, *, blocks: BlockSpec = None,
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     fully_shard_units([*units, model], ctx,
-                      tp_replicas=tp_ranks_are_replicas(model, ctx.topology.tp), **kwargs)
+                      tp_replicas=tp_ranks_are_replicas(model, ctx.topology.tp),
+                      materialize=materialize, **kwargs)
     if ctx.config.half_precision == "fp16" and mp_policy is None:
         require_loss_scaling(model)
     return model

@@ -1,5 +1,6 @@
 """The FSDP1 hook: after ``mp.init()``, an unchanged ``FullyShardedDataParallel(model,
-...)`` follows the configuration (:mod:`modelparallel.parallel.fsdp1` says how).
+...)`` follows the configuration (:mod:`modelparallel.parallel.fsdp1` says how), and
+takes SMP v2's ``post_param_init_fn`` (delayed parameter initialization).
 
 This is the one place torch's FSDP1 constructor is replaced; it reads the process's
 state (the context of the current ``mp.init()``) and is inert before ``init``.
@@ -28,13 +29,16 @@ def install(state: State) -> None:
     @functools.wraps(_original_init)
     def init_with_policy(self: FullyShardedDataParallel, module: Any, *args: Any,
                          **kwargs: Any) -> None:
-        ctx = state.context_or_none()
-        if ctx is None:
-            _original_init(self, module, *args, **kwargs)
-            return
-        bound = _signature.bind(self, module, *args, **kwargs)
-        arguments = {k: v for k, v in bound.arguments.items() if k not in ("self", "module")}
-        fsdp1.construct(self, module, arguments, ctx, _original_init)
+        # SMP v2's FSDP1 argument, which torch's lacks (fsdp1_torch.post_param_init)
+        with fsdp1_torch.post_param_init(kwargs.pop("post_param_init_fn", None)):
+            ctx = state.context_or_none()
+            if ctx is None:
+                _original_init(self, module, *args, **kwargs)
+                return
+            bound = _signature.bind(self, module, *args, **kwargs)
+            arguments = {k: v for k, v in bound.arguments.items()
+                         if k not in ("self", "module")}
+            fsdp1.construct(self, module, arguments, ctx, _original_init)
 
     FullyShardedDataParallel.__init__ = init_with_policy  # type: ignore[method-assign]
     fsdp1_state.install()

@@ -16,6 +16,8 @@ from modelparallel.parallel.pipeline.layout import PARTITION_ATTR
 from modelparallel.parallel.pipeline.record import ScheduleRecording, gather_events
 from modelparallel.parallel.pipeline.runtime import current_microbatch
 from modelparallel.smp import registry
+from modelparallel.smp.model_options import ModelOptions, broadcast_buffers
+from modelparallel.smp.model_v1_methods import V1ModelMethods
 from modelparallel.smp.state import state
 from modelparallel.topology import CommGroup
 
@@ -45,7 +47,7 @@ def set_partition(module: nn.Module, index: int) -> None:
     object.__setattr__(module, PARTITION_ATTR, index)
 
 
-class DistributedModel(nn.Module):
+class DistributedModel(V1ModelMethods, nn.Module):
     """A model split over the pipeline stages and wrapped for data parallelism.
 
     At the first ``@mp.step`` call (as SMP v1): with ``pipeline_parallel_degree`` > 1
@@ -59,15 +61,26 @@ class DistributedModel(nn.Module):
 
     ``backward_passes_per_step`` (SMP v1): gradients are accumulated over that many
     step calls and reduced over the data-parallel ranks at the last of them; call the
-    optimizer after it.
+    optimizer after it. The other arguments of SMP v1's signature:
+    ``average_grads_across_microbatches=False`` sums the microbatches' gradients;
+    ``broadcast_buffers`` (default True) gives the replicas data-parallel rank 0's
+    buffers at every training step, as DDP; the rest log one line saying why they have
+    no effect here (:mod:`~modelparallel.smp.model_options`).
     """
 
-    def __init__(self, module: nn.Module, *, backward_passes_per_step: int = 1):
+    def __init__(self, module: nn.Module, trace_device: str = "gpu",
+                 trace_execution_times: bool = False, trace_memory_usage: bool = False,
+                 overlapping_allreduce: bool = True, backward_passes_per_step: int = 1,
+                 average_grads_across_microbatches: bool = True, bucket_cap_mb: float = 25,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False):
         super().__init__()
         ctx = state.require("mp.DistributedModel").context
-        if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
-                             f"{backward_passes_per_step!r}")
+        self.options = ModelOptions(
+            trace_device, trace_execution_times, trace_memory_usage, overlapping_allreduce,
+            backward_passes_per_step, average_grads_across_microbatches, bucket_cap_mb,
+            find_unused_parameters, broadcast_buffers, gradient_as_bucket_view)
+        self.options.check(ctx)
         if registry.model() is not None:  # one per mp.init()
             raise RuntimeError("only one mp.DistributedModel may exist per process; wrap the "
                                "whole model once")
@@ -76,6 +89,7 @@ class DistributedModel(nn.Module):
                                      loss_scale=self._loss_scale,
                                      on_partitioned=self._finish_partition)
         self._hooks: list[Callable[[DistributedModel, Any], None]] = []
+        self._post_step_hooks: list[Callable[[Any, Any], None]] = []
         # mp.resume_from_checkpoint before the split: loads once the rank knows its part
         self._load_after_partition: Callable[[], None] | None = None
         registry.set_model(self)
@@ -83,7 +97,14 @@ class DistributedModel(nn.Module):
     # -- SMP v1 methods ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         mb = current_microbatch("calling the DistributedModel")
+        if self.options.broadcast_buffers and mb.index == 0 and self.partitioned \
+                and torch.is_grad_enabled() and self.module.training:
+            broadcast_buffers(self.module, self.engine.ctx)  # every rank calls the model
         return mb.call_model(args, kwargs)
+
+    def get_module(self) -> nn.Module:
+        """The wrapped model (SMP v1), parameters under their own names."""
+        return self.module
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this microbatch's loss (``loss.backward()`` is not pipelined)."""
@@ -119,22 +140,49 @@ class DistributedModel(nn.Module):
         """This rank's parameters and buffers under the model's own names."""
         return self.engine.local_state_dict()
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """The full model (every stage's parameters), on every rank, on CPU."""
+    def state_dict(self, destination: dict[str, Any] | None = None,  # type: ignore[override]
+                   prefix: str = "", keep_vars: bool = False, cast_to_cpu: bool = True,
+                   gather_to_rank0: bool = False) -> dict[str, torch.Tensor]:
+        """The full model (every stage's parameters) under the model's own names
+        (SMP v1's arguments: ``gather_to_rank0`` keeps it on rank 0 only, the others
+        get an empty dict; ``cast_to_cpu=False`` leaves it on this rank's device).
+        Collective over the pipeline stage and the tensor-parallel group."""
+        if keep_vars:
+            raise ValueError("DistributedModel.state_dict(keep_vars=True) is not supported: "
+                             "the full state dict holds gathered copies, not the parameters")
         local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
                  for k, v in self.local_state_dict().items()}  # collective in the stage
-        if self.pipeline_degree == 1:
-            return local
-        parts: list[Any] = [None] * self.pipeline_degree
-        dist.all_gather_object(parts, local, group=self.pipeline_group())
-        full = {}
-        for part in parts:
-            full.update(part)
-        return full
+        full = local
+        if self.pipeline_degree > 1:
+            parts: list[Any] = [None] * self.pipeline_degree
+            dist.all_gather_object(parts, local, group=self.pipeline_group())
+            full = {}
+            for part in parts:
+                full.update(part)
+        if gather_to_rank0 and dist.get_rank() != 0:
+            full = {}
+        if not cast_to_cpu:
+            device = self.engine.ctx.device
+            full = {k: v.to(device) for k, v in full.items()}
+        out = destination if destination is not None else {}
+        out.update({prefix + k: v for k, v in full.items()})
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any],  # type: ignore[override]
-                        strict: bool = True) -> None:
-        """Load a full (or this rank's) state dict; this rank takes what it holds."""
+                        strict: bool = True,
+                        translate_function: Callable[[Any], Mapping[str, Any]] | None = None,
+                        same_partition_load: bool = True) -> None:
+        """Load a full (or this rank's) state dict; this rank takes what it holds.
+        Before the split (the first step) it loads right after it, as SMP v1.
+        ``translate_function`` maps the state dict's names first (SMP's Hugging Face
+        translators); ``same_partition_load`` is SMP's shortcut for an unchanged split,
+        which this load does not need (each rank takes its part by name either way)."""
+        if translate_function is not None:
+            state_dict = translate_function(state_dict)
+        if not self.partitioned:
+            self.load_after_partition(lambda: self.load_state_dict(state_dict, strict))
+            return
+        state_dict = {k: v for k, v in state_dict.items() if k != "_smp_is_partial"}
         held = self.local_state_dict()
         mine = {k: v for k, v in state_dict.items() if k in held}
         missing = set(held) - set(mine)
@@ -182,24 +230,37 @@ class DistributedModel(nn.Module):
         return self.engine.ctx.process_group(CommGroup.PP_GROUP)
 
     def load_after_partition(self, load: Callable[[], None]) -> None:
-        """Run ``load`` once this rank knows what it holds (now, if it does)."""
+        """Run ``load`` once this rank knows what it holds (now, if it does); loads
+        asked for before the split run in the order they were asked for."""
         if self.partitioned:
             load()
-        else:
+        elif self._load_after_partition is None:
             self._load_after_partition = load
+        else:
+            earlier = self._load_after_partition
+
+            def both() -> None:
+                earlier()
+                load()
+
+            self._load_after_partition = both
 
     # -- the engine's callbacks -----------------------------------------------------
     def _loss_scale(self) -> float:
         """The factor ``model.backward`` multiplies the loss by: the loss scale of the
-        DistributedOptimizer's scaler under fp16, else 1."""
-        if not torch.is_grad_enabled() or self.engine.ctx.config.half_precision != "fp16":
+        DistributedOptimizer's scaler under fp16, else 1 (times the microbatches when
+        their gradients are summed, ``average_grads_across_microbatches=False``)."""
+        if not torch.is_grad_enabled():
             return 1.0
+        factor = self.options.loss_factor(self.engine.ctx)
+        if self.engine.ctx.config.half_precision != "fp16":
+            return factor
         optimizer = registry.optimizer()
         if optimizer is None or optimizer.loss_scaler is None:
             raise RuntimeError("fp16=True needs loss scaling, which mp.DistributedOptimizer "
                                "does: create optimizer = mp.DistributedOptimizer(torch_optimizer) "
                                "after mp.DistributedModel and before the first step")
-        return optimizer.loss_scaler.scale_value
+        return optimizer.loss_scaler.scale_value * factor
 
     def _finish_partition(self) -> None:
         if self._load_after_partition is not None:

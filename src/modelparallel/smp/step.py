@@ -38,6 +38,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: Collection[str] = (),
                                        input_split_axes=input_split_axes)
             mbs = [Microbatch(i, fn, a, k) for i, (a, k) in enumerate(pieces)]
             results = model.engine.run_step(mbs)
+            model.run_post_step_hooks(registry.optimizer())
             if detach_outputs:
                 results = pytree.tree_map(
                     lambda t: t.detach() if isinstance(t, torch.Tensor) else t, results)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from modelparallel.config import Config
 from modelparallel.parallel.offload import loading_horizon
 from modelparallel.smp.errors import NotInitializedError
 from modelparallel.smp.rng_tracker import DEFAULT_NAME, RNGStateTracker
@@ -206,7 +207,7 @@ class V2Attributes:
         return loading_horizon(config.activation_loading_horizon, v2=True)
 
     @property
-    def cfg(self) -> Any:
+    def cfg(self) -> Config:
         """SMP v1's name for the configuration (``smp.state.cfg.fp16``)."""
         return self._ctx("cfg").config
 

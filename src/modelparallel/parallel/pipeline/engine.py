@@ -15,6 +15,7 @@ knows nothing of process state: it is given the :class:`ParallelContext`.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,9 +25,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from modelparallel.context import ParallelContext
-from modelparallel.parallel import parallelize
+from modelparallel.parallel import deferred, parallelize
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.pipeline import cut, schedules
+from modelparallel.parallel.pipeline import trace as tracing
 from modelparallel.parallel.pipeline.gradients import GradientSync, shared_parameters
 from modelparallel.parallel.pipeline.layout import PipelineLayout
 from modelparallel.parallel.pipeline.record import Event, ScheduleRecorder
@@ -124,10 +126,11 @@ class PipelineEngine:
                 raise RuntimeError("the step function returned without calling the model")
         if not self.partitioned:
             self._partition(_inputs(microbatches[0]))
+        first = self._first_stage_signature(microbatches[0])
         self.gradients.before_step()
         for mb in microbatches:
             mb.scale = self._loss_scale() / len(microbatches)
-        runner = self._runner(microbatches)
+        runner = self._runner(microbatches, first)
         results: list[Any] | None
         if self.events is None:
             results = runner.run(microbatches)
@@ -138,9 +141,27 @@ class PipelineEngine:
         self.gradients.after_step(self.local_parameters())
         return self._from_last_stage(results)
 
-    def _runner(self, microbatches: list[Microbatch]) -> StageRunner:
+    def _first_stage_signature(self, mb: Microbatch) -> tuple:
+        """The form of the first stage's model inputs, agreed by the pipeline. Later
+        stages run on the first stage's input tensors and ignore theirs (as SMP: a data
+        loader may give them placeholders), but their call must have the same form."""
+        ctx = self.ctx
+        forms: list[Any] = [None] * self.pp
+        dist.all_gather_object(forms, _signature(_inputs(mb)),
+                               group=ctx.process_group(CommGroup.PP_GROUP))
+        odd = [r for r, form in enumerate(forms) if _structure(form) != _structure(forms[0])]
+        if odd:
+            raise ValueError(
+                f"pipeline rank(s) {odd} called the model with arguments of another form "
+                f"than the first stage: {_describe(forms[odd[0]])} instead of "
+                f"{_describe(forms[0])}. Stages after the first take the first stage's "
+                f"input tensors and ignore their own, but must call the model alike: pass "
+                f"a placeholder tensor wherever the first stage passes a tensor")
+        return forms[0]
+
+    def _runner(self, microbatches: list[Microbatch], first: tuple) -> StageRunner:
         train = torch.is_grad_enabled()
-        key = (train, _signature(_inputs(microbatches[0])), len(microbatches))
+        key = (train, first, len(microbatches))
         if key not in self._runners:
             c, layout = self.ctx.config, self.layout
             assert layout is not None
@@ -183,10 +204,21 @@ class PipelineEngine:
     def _partition(self, model_inputs: tuple[tuple, dict]) -> None:
         ctx = self.ctx
         args, kwargs = model_inputs
-        trace = cut.trace(self.module, args, kwargs)
-        box = [trace]  # one rank's timings for all: every rank must choose the same split
+        trace, error = None, None
+        if ctx.rank == 0:  # one rank's timings for all: every rank must choose the same split
+            try:
+                with deferred.stand_ins(self.module):  # delayed parameters: zero views
+                    trace = tracing.trace(self.module, args, kwargs)
+            except Exception as e:  # raised on every rank, not only here
+                error = e
+        box: list[Any] = [(trace, _portable(error))]
         dist.broadcast_object_list(box, src=0)
-        self.layout = layout = PipelineLayout.choose(self.module, box[0], ctx.config, self.pp)
+        if error is not None:
+            raise error
+        trace, error = box[0]
+        if error is not None:
+            raise error
+        self.layout = layout = PipelineLayout.choose(self.module, trace, ctx.config, self.pp)
         held = self.held_modules()
         everything = layout.all_modules()
         half = HALF.get(ctx.config.half_precision or "")
@@ -194,9 +226,7 @@ class PipelineEngine:
                        for path in everything}
         self.gradients.shared = shared_parameters(self.module, ctx, self.held_modules)
         self._free_other_stages(everything, held)
-        # FSDP units: this rank's layers, then its outer modules (root parameters stay)
-        layers = [m for m in held if m in layout.split.layers]
-        self._parallelize([*layers, *[m for m in held if m not in layers]])
+        self._parallelize(held)  # FSDP units: this rank's units (root parameters stay)
         if ctx.rank == 0:
             print(f"modelparallel: pipeline partition ({ctx.config.pipeline} schedule)\n"
                   f"{self.display_partition()}", flush=True)
@@ -239,5 +269,29 @@ def _inputs(mb: Microbatch) -> tuple[tuple, dict]:
 
 
 def _signature(model_inputs: tuple[tuple, dict]) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
-                 for t in pytree.tree_leaves(model_inputs))
+    leaves, spec = pytree.tree_flatten(model_inputs)
+    return (str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
+                             else type(t).__name__ for t in leaves))
+
+
+def _structure(signature: tuple) -> tuple:
+    """A signature without the tensors' shapes and types: where the tensors are."""
+    spec, leaves = signature
+    return spec, tuple(isinstance(leaf, tuple) for leaf in leaves)
+
+
+def _describe(signature: tuple) -> str:
+    spec, leaves = signature
+    kinds = ", ".join("tensor" if isinstance(x, tuple) else x for x in leaves)
+    return f"{len(leaves)} values ({kinds}) arranged as {spec}"
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """``error`` if it survives pickling (to reach the other ranks), else its text."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"on rank 0: {type(error).__name__}: {error}")

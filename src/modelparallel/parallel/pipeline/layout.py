@@ -1,23 +1,25 @@
-"""PipelineLayout: which layers make each pipeline stage, and which stages each
+"""PipelineLayout: which units make each pipeline stage, and which stages each
 pipeline rank holds under the configured schedule.
 
-Chosen once, at the first step, from one traced microbatch (:class:`cut.Trace`): layers
-placed with ``mp.partition`` / ``mp.set_partition`` (:data:`PARTITION_ATTR`), or by
-``default_partition`` when ``auto_partition`` is off, go where they are told; otherwise
-the layers are balanced over the stages by their measured compute and memory
-(:func:`partition.balance`). Every rank must choose the same layout, so every rank is
-given the same trace.
+Chosen once, at the first step, from one traced microbatch (:class:`trace.Trace`):
+units placed with ``mp.partition`` / ``mp.set_partition`` (:data:`PARTITION_ATTR`, on
+the unit or a module around it), or by ``default_partition`` when ``auto_partition`` is
+off, go where they are told; otherwise the runs of units between valid cuts are balanced
+over the stages by their measured compute and memory (:func:`partition.balance`). Every
+rank must choose the same layout, so every rank is given the same trace.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from torch import nn
 
-from modelparallel.config import Config
+from modelparallel.config import Config, ConfigError
 from modelparallel.parallel.pipeline import cut, schedules
 from modelparallel.parallel.pipeline import partition as balancing
+from modelparallel.parallel.pipeline.trace import Trace
 
 PARTITION_ATTR = "_mp_partition"  # a module's pipeline stage, set by mp.partition
 
@@ -26,31 +28,25 @@ PARTITION_ATTR = "_mp_partition"  # a module's pipeline stage, set by mp.partiti
 class PipelineLayout:
     """The stages of one model over ``ranks`` pipeline ranks."""
 
-    trace: cut.Trace      # the costs the split was chosen from
-    split: cut.Split      # the layers and outer modules of each stage
+    trace: Trace          # the costs the split was chosen from
+    split: cut.Split      # the units of each stage
     schedule: str         # the configuration's ``pipeline``
     ranks: int            # pipeline_parallel_degree
     stages_per_rank: int
 
     @classmethod
-    def choose(cls, module: nn.Module, trace: cut.Trace, config: Config,
+    def choose(cls, module: nn.Module, trace: Trace, config: Config,
                ranks: int) -> PipelineLayout:
-        """Place the traced layers of ``module`` on ``ranks * stages_per_rank`` stages."""
+        """Place the traced units of ``module`` on ``ranks * stages_per_rank`` stages."""
         stages = ranks * config.stages_per_rank
         placed = [_placement(module, path) for path in trace.layers]
         if any(stage is not None for stage in placed) or not config.auto_partition:
             starts = balancing.manual_starts(placed, stages, config.default_partition,
                                              trace.layers)
-            outer = set(trace.shared)
-            balancing.check_outer("before", _placed(module, set(trace.before) - outer), 0)
-            balancing.check_outer("after", _placed(module, set(trace.after) - outer),
-                                  stages - 1)
+            _check_cuts(trace, starts)
         else:
-            starts = balancing.balance(trace.compute, trace.memory, stages,
-                                       memory_weight=config.effective_memory_weight,
-                                       before=sum_costs(trace.before),
-                                       after=sum_costs(trace.after))
-        split = cut.Split(trace.layers, starts, list(trace.before), list(trace.after))
+            starts = _balanced(trace, stages, config.effective_memory_weight)
+        split = cut.Split(trace.layers, starts, trace.crossing, trace.unused)
         return cls(trace, split, config.pipeline, ranks, config.stages_per_rank)
 
     def stage_ids(self, pp_rank: int) -> list[int]:
@@ -66,9 +62,8 @@ class PipelineLayout:
         return held
 
     def all_modules(self) -> list[str]:
-        """Paths of every module some stage holds: the layers and the outer modules."""
-        split = self.split
-        return [*split.layers, *split.before, *[m for m in split.after if m not in split.before]]
+        """Paths of every module some stage holds: the units."""
+        return [*self.split.layers, *self.split.unused]
 
     def last_stage_rank(self) -> int:
         """The pipeline rank holding the last stage (where the loss is)."""
@@ -76,22 +71,48 @@ class PipelineLayout:
                                        self.ranks, self.stages_per_rank)
 
     def describe(self) -> str:
-        """The stages, their layers and cost shares, as text."""
+        """The stages, their units and cost shares, as text."""
         t, split = self.trace, self.split
-        return balancing.describe(split.starts, split.layers, t.compute, t.memory,
-                                  split.before, split.after,
-                                  before=sum_costs(t.before), after=sum_costs(t.after))
+        return balancing.describe(split.starts, split.layers, t.compute, t.memory, [], [])
 
 
-def sum_costs(costs: dict[str, tuple[float, float]]) -> tuple[float, float]:
-    """Total (compute, memory) of modules outside the layers."""
-    return (sum(c for c, _ in costs.values()), sum(m for _, m in costs.values()))
+def _balanced(trace: Trace, stages: int, memory_weight: float) -> list[int]:
+    """Starts of the most balanced split that cuts only where the trace allows."""
+    cuts = [c for c, ok in enumerate(trace.valid) if ok]  # cuts[0] == 0
+    if len(cuts) < stages:
+        blocked = "; ".join(f"not before '{trace.layers[c]}': {why}"
+                            for c, why in sorted(trace.why_not.items())[:4])
+        raise ConfigError([("pipeline_parallel_degree", (
+            f"the model can be cut into at most {len(cuts)} pipeline stages (it has "
+            f"{len(trace.layers)} modules with parameters, {', '.join(trace.layers[:8])}"
+            f"{' ...' if len(trace.layers) > 8 else ''}, and a stage may start only where "
+            f"nothing computed before it is needed after it except its first module's "
+            f"arguments{': ' + blocked if blocked else ''}); use pipeline_parallel_degree "
+            f"x virtual stages <= {len(cuts)}"))])
+    bounds = [*cuts, len(trace.layers)]
+    runs = list(itertools.pairwise(bounds))
+    compute = [sum(trace.compute[a:b]) for a, b in runs]
+    memory = [sum(trace.memory[a:b]) for a, b in runs]
+    chosen = balancing.balance(compute, memory, stages, memory_weight=memory_weight)
+    return [cuts[i] for i in chosen]
+
+
+def _check_cuts(trace: Trace, starts: list[int]) -> None:
+    """A placement may start a stage only where the trace says a cut is valid."""
+    bad = [(k, c) for k, c in enumerate(starts) if not trace.valid[c]]
+    if bad:
+        raise ConfigError([("partition", (
+            f"stage {k} cannot start at '{trace.layers[c]}': {trace.why_not.get(c, '')}. A "
+            f"stage receives only the arguments of its first module; place the modules so "
+            f"that the value stays within one stage")) for k, c in bad])
 
 
 def _placement(module: nn.Module, path: str) -> int | None:
-    return getattr(module.get_submodule(path), PARTITION_ATTR, None)
-
-
-def _placed(module: nn.Module, paths: set[str]) -> dict[str, int]:
-    """The stages ``mp.partition`` gave to some of ``paths``."""
-    return {p: stage for p in paths if (stage := _placement(module, p)) is not None}
+    """The stage ``mp.partition`` / ``mp.set_partition`` gave the unit at ``path`` or
+    the innermost module around it that has one."""
+    parts = path.split(".")
+    for k in range(len(parts), -1, -1):
+        stage = getattr(module.get_submodule(".".join(parts[:k])), PARTITION_ATTR, None)
+        if stage is not None:
+            return stage
+    return None

@@ -2,9 +2,9 @@
 
 Pure logic, no processes or collectives: every rank calls these functions with the same
 numbers and gets the same answer. A partition is given as ``starts``, the index of the
-first layer of each stage (``starts[0] == 0``, strictly increasing). Modules that run
-before the first layer (embeddings) belong to stage 0, those after the last layer (final
-norm, LM head) to the last stage.
+first layer of each stage (``starts[0] == 0``, strictly increasing). The layers are
+whatever the caller cuts between (the pipeline's units, or runs of them between valid
+cuts); costs given as ``before`` / ``after`` count towards the first / last stage.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -64,9 +64,12 @@ def manual_starts(assigned: Sequence[int | None], stages: int, default: int,
 
     ``assigned[i]`` is the stage layer ``i`` was put on (SMP v1's ``smp.partition(i)``
     context or ``smp.set_partition``), ``None`` for layers not placed, which go to
-    ``default`` (``default_partition``). Stages must be contiguous runs of layers in
-    execution order and every stage must get a layer; otherwise ConfigError names the
-    offending layers by ``names``.
+    ``default`` (``default_partition``), moved to the nearest stage that keeps the
+    stages contiguous: no earlier than the stage of the last placed layer before them,
+    no later than that of the first placed layer after them (an unplaced final norm and
+    head follow the last block onto the last stage). Stages must be contiguous runs of
+    layers in execution order and every stage must get a layer; otherwise ConfigError
+    names the offending layers by ``names``.
     """
     n = len(assigned)
     if len(names) != n:
@@ -77,7 +80,7 @@ def manual_starts(assigned: Sequence[int | None], stages: int, default: int,
         raise ConfigError([("default_partition", (
             f"is {default}, but layers not placed explicitly go to it and there are only "
             f"{stages} stages (0..{stages - 1})"))])
-    stage = [default if s is None else s for s in assigned]
+    stage = _fill(assigned, default, stages)
     rule = (f"pipeline stages must be contiguous runs of layers in execution order (stage 0 "
             f"first, each stage starting where the previous one ends) and every stage "
             f"0..{stages - 1} must get at least one layer")
@@ -103,26 +106,6 @@ def manual_starts(assigned: Sequence[int | None], stages: int, default: int,
     return [0, *(i for i in range(1, n) if stage[i] != stage[i - 1])]
 
 
-def check_outer(kind: str, placed: Mapping[str, int], required: int) -> None:
-    """Check the stages a user requested for modules outside the layers.
-
-    ``kind`` is ``"before"`` (modules that run before the first layer, which must be on
-    stage 0) or ``"after"`` (after the last layer: the last stage, ``required``).
-    ``placed`` maps module names to the requested stage; a mismatch raises ConfigError.
-    """
-    if kind not in ("before", "after"):
-        raise ValueError(f"kind must be 'before' or 'after', not {kind!r}")
-    which = "first" if kind == "before" else "last"
-    problems = [("partition", (
-        f"module '{name}' is placed on stage {stage}, but it runs {kind} the "
-        f"{which} layer (repeated block), so it must be on the {which} stage, {required}: "
-        f"a stage only passes activations on to the next one, so the modules that run "
-        f"before the layers belong to stage 0 and those after them to the last stage"))
-        for name, stage in placed.items() if stage != required]
-    if problems:
-        raise ConfigError(problems)
-
-
 def describe(starts: list[int], names: Sequence[str], compute: Sequence[float] | None,
              memory: Sequence[float] | None, before_names: Sequence[str],
              after_names: Sequence[str], *, before: tuple[float, float] = (0.0, 0.0),
@@ -141,7 +124,7 @@ def describe(starts: list[int], names: Sequence[str], compute: Sequence[float] |
         parts = []
         if k == 0 and before_names:
             parts.append(", ".join(before_names))
-        parts.append(names[a] if b - a == 1 else f"{names[a]} .. {names[b - 1]}")
+        parts.append(_span(names[a:b]))
         if k == len(starts) - 1 and after_names:
             parts.append(", ".join(after_names))
         rows.append((str(k), " + ".join(parts), str(b - a),
@@ -163,9 +146,9 @@ def _check_stages(n: int, stages: int) -> None:
         raise ValueError(f"stages must be >= 1, not {stages}")
     if n < stages:
         raise ConfigError([("pipeline_parallel_degree", (
-            f"the model has {n} layers (repeated blocks) and cannot be split into {stages} "
-            f"pipeline stages of at least one layer each; use pipeline_parallel_degree "
-            f"<= {n}"))])
+            f"the model has {n} layers (modules with parameters it can be cut between) and "
+            f"cannot be split into {stages} pipeline stages of at least one layer each; use "
+            f"pipeline_parallel_degree <= {n}"))])
 
 
 def _layer_costs(compute: Sequence[float], memory: Sequence[float], weight: float,
@@ -286,6 +269,32 @@ def _share(values: Sequence[float] | None, dim: int, a: int, b: int, k: int, sta
     part = math.fsum(values[a:b]) + (before[dim] if k == 0 else 0.0) \
         + (after[dim] if k == stages - 1 else 0.0)
     return f"{100.0 * part / total:.1f}%"
+
+
+def _fill(assigned: Sequence[int | None], default: int, stages: int) -> list[int]:
+    """Stages of every layer: the unplaced ones at ``default``, kept between the stages
+    of the placed layers around them."""
+    placed = [(i, s) for i, s in enumerate(assigned) if s is not None]
+    stage = []
+    for i, s in enumerate(assigned):
+        if s is not None:
+            stage.append(s)
+            continue
+        lo = next((p for j, p in reversed(placed) if j < i), 0)
+        hi = next((p for j, p in placed if j > i), stages - 1)
+        stage.append(min(max(default, lo), hi))
+    return stage
+
+
+def _span(names: Sequence[str]) -> str:
+    """Consecutive layer names, those of one container as a range: ``a, b + blocks.0 ..
+    blocks.3 + norm, head``."""
+    groups = [list(g) for _, g in itertools.groupby(names, key=lambda n: n.rpartition(".")[0])]
+    texts = []
+    for g in groups:
+        numbered = len(g) > 1 and all(n.rpartition(".")[2].isdigit() for n in g)
+        texts.append(f"{g[0]} .. {g[-1]}" if numbered else ", ".join(g))
+    return " + ".join(texts)
 
 
 def _some(items: list[str], most: int = 6) -> str:

@@ -165,11 +165,25 @@ class StageRunner:
                 return i
         return None
 
-    def _inputs(self, mb: torch.Tensor) -> tuple[tuple, dict, bool]:
+    def _inputs(self, mb: torch.Tensor, passed: tuple | None,
+                ) -> tuple[tuple, dict, bool, tuple]:
+        """The model's arguments for a microbatch, whether the run is real, and the
+        input tensors to pass on. The first stage (``passed`` None) uses the step
+        function's own; later stages the first stage's tensors (``passed``) in the
+        structure of their own call: as SMP, they ignore the data they were given."""
         i = self._index(mb)
         inputs = self.microbatches[0 if i is None else i].model_inputs
         assert inputs is not None, "the step function has not called the model yet"
-        return (*inputs, i is not None)
+        leaves, spec = pytree.tree_flatten(inputs)
+        if passed is None:
+            return (*inputs, i is not None,
+                    tuple(t for t in leaves if isinstance(t, torch.Tensor)))
+        if i is None:  # metadata inference: uninitialised buffers; zeros index safely
+            passed = tuple(torch.zeros_like(t) for t in passed)
+        given = iter(passed)
+        leaves = [next(given) if isinstance(t, torch.Tensor) else t for t in leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return args, kwargs, i is not None, passed
 
     def _output(self, mb: torch.Tensor, output: Any) -> torch.Tensor:
         i = self._index(mb)
