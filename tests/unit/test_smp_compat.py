@@ -208,9 +208,9 @@ def test_v2_refusals_and_no_effect_calls(caplog):
     from modelparallel.tensor_parallel.transformer import TETransformerLayer
 
     assert state is modelparallel.state and modelparallel.state_mod.state is state
-    with pytest.raises(NotImplementedError, match="context parallelism .* not supported yet"):
+    with pytest.raises(NotImplementedError, match=r"context parallelism .* not supported yet"):
         setup_transformer_engine_cp_groups(None, [0, 1])
-    with pytest.raises(NotImplementedError, match="expert parallelism .* not supported yet"):
+    with pytest.raises(NotImplementedError, match=r"expert parallelism .* not supported yet"):
         MoELayer(MoEConfig())
     with pytest.raises(TypeError, match="TransformerEngine's layer, which modelparallel does "
                                         "not use"):
