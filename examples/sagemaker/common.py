@@ -3,10 +3,12 @@
 file. Like the helper modules of the public SageMaker examples, it is imported by the
 scripts from their own directory."""
 
+import contextlib
 import json
 import os
 
 import torch
+from torch import nn
 
 VOCAB, SEQ, GLOBAL_BATCH = 64, 16, 8
 
@@ -26,6 +28,26 @@ def llama_config():
                        max_position_embeddings=SEQ, use_cache=False)
 
 
+@contextlib.contextmanager
+def init_empty_weights():
+    """What shared-scripts uses accelerate's ``init_empty_weights`` for: parameters on
+    the meta device, buffers real (accelerate is not needed here, so this does the
+    same in a few lines)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"),
+                                                    requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def token_batches(steps, seed=1):
     """``steps`` global batches of token ids, (GLOBAL_BATCH, SEQ) each."""
     g = torch.Generator().manual_seed(seed)
@@ -43,6 +65,15 @@ def image_batches(steps, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(GLOBAL_BATCH, 1, 28, 28, generator=g),
              torch.randint(10, (GLOBAL_BATCH,), generator=g)) for _ in range(steps)]
+
+
+def make_optimizer(args, params):
+    """AdamW as the public scripts train; SGD with momentum for exact comparisons (Adam
+    divides each gradient by its own magnitude, so float round-off in gradients that are
+    nearly zero, which any change of summation order brings, becomes a visible step)."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
 
 
 def write_results(out, losses, state_dict):

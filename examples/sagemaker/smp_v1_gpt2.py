@@ -16,7 +16,7 @@ import json
 import numpy as np
 import smdistributed.modelparallel.torch as smp
 import torch
-from common import gpt2_config, rows, token_batches, write_results
+from common import gpt2_config, make_optimizer, rows, token_batches, write_results
 from transformers import GPT2LMHeadModel
 
 CONFIG = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
@@ -30,7 +30,7 @@ def build(args):
         model = GPT2LMHeadModel(gpt2_config())
     model = smp.DistributedModel(model, trace_device="gpu")
     optimizer = smp.DistributedOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01),
+        make_optimizer(args, model.parameters()),
         static_loss_scale=None, dynamic_loss_scale=True,
         dynamic_loss_args={"scale_window": 1000, "min_scale": 1, "delayed_shift": 2})
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
@@ -49,6 +49,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--restart_at", type=int, default=2)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--checkpoint_dir", default="/tmp/smp_v1_gpt2_ckpt")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
