@@ -218,3 +218,27 @@ def test_v2_refusals_and_no_effect_calls(caplog):
     with caplog.at_level(logging.INFO, logger="modelparallel"):
         register_tp_processing_pre_comm_hook(torch.nn.Linear(2, 2))
     assert "register_tp_processing_pre_comm_hook has no effect" in caplog.text
+
+
+@pytest.mark.parametrize("distribution,on", [
+    ({"smdistributed": {"modelparallel": {"enabled": True, "parameters": {"ddp": True}}},
+      "mpi": {"enabled": True, "processes_per_host": 1}}, True),
+    ({"smdistributed": {"dataparallel": {"enabled": True}}}, True),
+    ({"torch_distributed": {"enabled": True}}, False),
+    (None, False),
+])
+def test_jobs_in_sagemaker_form_run_with_the_compat_switch(tmp_path, distribution, on):
+    from modelparallel.jobs.instance import worker_environment
+    from modelparallel.jobs.layout import JobLayout
+    from modelparallel.jobs.spec import build_spec
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch.sagemaker\n")
+    spec = build_spec(entry_point=str(script), source_dir=None, instance_count=1,
+                      processes_per_host=1, hyperparameters={}, distribution=distribution,
+                      inputs=None, output_path=str(tmp_path / "out"), checkpoint_uri=None,
+                      environment=None, max_run=None, max_restarts=0,
+                      metric_definitions=None, backend="local", backend_options={},
+                      name="job")
+    env = worker_environment(spec, 0, {}, JobLayout(tmp_path / "job"), tmp_path)
+    assert (env.get(compat.ENVIRONMENT_SWITCH) == "sagemaker") is on
