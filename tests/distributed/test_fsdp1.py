@@ -664,6 +664,7 @@ def test_unsplit_model_averages_over_tensor_parallel_ranks(workers, world, confi
 # -- torch internals the FSDP1 path relies on ----------------------------------------------
 
 def internals_case():
+    import torch.distributed.checkpoint.optimizer as dcp_optimizer
     import torch.distributed.fsdp._common_utils as fsdp_common_utils
     import torch.distributed.fsdp._optim_utils as fsdp_optim_utils
     from torch.distributed.fsdp import ShardingStrategy
@@ -686,6 +687,10 @@ def internals_case():
             and fsdp_optim_utils._gather_all_orig_param_state
             is fsdp1_torch._gather_all_orig_param_state,
         "FSDP1's name cleaning found": hasattr(fsdp_common_utils, "clean_tensor_name"),
+        "DCP's sharded optimizer loading steps found":
+            dcp_optimizer._get_state_dict_2d_layout is fsdp1_torch._get_state_dict_2d_layout
+            and dcp_optimizer._create_chunk_sharded_tensor
+            is fsdp1_torch._create_chunk_sharded_tensor,
         "flat parameter metadata": all(hasattr(flat, a) for a in (
             "_shard_param_infos", "_param_extensions", "_params", "_fqns", "_shapes",
             "_shared_param_infos")),

@@ -18,6 +18,13 @@ release moves what they use.
   dicts on the *root* mesh as if it were ``(dp, tp)``: plain tensors chunked over its
   first dim, tensor-parallel ones over its next-to-last. Ours is ``(dp_replicate,
   dp_shard, pp, tp)``, so entries were chunked over ``dp_replicate`` (or ``pp``).
+- :func:`_get_state_dict_2d_layout`, :func:`_create_chunk_sharded_tensor`:
+  ``load_sharded_optimizer_state_dict`` (DCP) reads each optimizer state as chunks over
+  the *default* group unless the model state dict holds nested ShardedTensors, and
+  ``optim_state_dict_to_load`` all-gathers them over FSDP1's shard group. Under tensor
+  parallelism (each tp rank reads its own checkpoint) or hybrid sharding that group is
+  smaller: states came back as one chunk plus zeros, or chunks of another tp rank's
+  checkpoint. Here they are chunked over the shard group of the model's DTensors.
 - :func:`grad_pieces`: which part of each original parameter this rank's gradient
   shard holds, and how tensor parallelism split that parameter.
 - :func:`split_params`: the original name of every tensor-parallel parameter an FSDP1
@@ -46,11 +53,15 @@ import contextlib
 import contextvars
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.optimizer as dcp_optimizer
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
+import torch.distributed.distributed_c10d as dist_c10d
 import torch.distributed.fsdp._common_utils as fsdp_common_utils
 import torch.distributed.fsdp._init_utils as fsdp_init_utils
 import torch.distributed.fsdp._optim_utils as fsdp_optim_utils
@@ -88,6 +99,9 @@ def install() -> None:
         _set_state_dict_type)
     if _torch_unflatten_optim_state_dict is not None:
         dcp_state_dict._unflatten_optim_state_dict = _unflatten_optim_state_dict
+    if _torch_2d_layout is not None and _torch_chunk_sharded is not None:
+        dcp_optimizer._get_state_dict_2d_layout = _get_state_dict_2d_layout
+        dcp_optimizer._create_chunk_sharded_tensor = _create_chunk_sharded_tensor
     if _torch_materialize_with_param_init_fn is not None:
         fsdp_init_utils._materialize_with_param_init_fn = _materialize_with_param_init_fn
     if _torch_check_sync_states is not None:
@@ -151,6 +165,10 @@ class _LocalShardExtensions(DTensorExtensions):
         return tensor.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
 
 
+# the data-parallel meshes of units given _LocalShardExtensions (DeviceMesh hashes by value)
+_LOCAL_MESHES: weakref.WeakSet[DeviceMesh] = weakref.WeakSet()
+
+
 def use_local_state_dicts(model: nn.Module) -> None:
     """Give every FSDP1 unit of ``model`` built on a device mesh :class:`_LocalShardExtensions`
     (its flattening of tensor-parallel parameters is torch's own, inherited)."""
@@ -158,6 +176,34 @@ def use_local_state_dicts(model: nn.Module) -> None:
         old: Any = unit._fsdp_extension  # private: set by FSDP1's _init_extension
         if unit._device_mesh is not None and old is not None:
             unit._fsdp_extension = _LocalShardExtensions(old.device_handle)
+            _LOCAL_MESHES.add(unit._device_mesh)
+
+
+_torch_2d_layout = getattr(dcp_optimizer, "_get_state_dict_2d_layout", None)
+_torch_chunk_sharded = getattr(dcp_optimizer, "_create_chunk_sharded_tensor", None)
+# the shard group of the model state dict the running load_sharded_optimizer_state_dict
+# was given (set by its first step, read by the next ones, within the same call)
+_optim_load_group: list[Any] = [None]
+
+
+def _get_state_dict_2d_layout(state_dict):
+    layout, group = _torch_2d_layout(state_dict)
+    _optim_load_group[0] = None
+    meshes = {v.device_mesh for v in state_dict.values() if isinstance(v, DTensor)}
+    if group is None and meshes and all(m in _LOCAL_MESHES for m in meshes):
+        # _LocalShardExtensions shards on the mesh's last dim, the group FSDP1 gathers over
+        groups = {m.get_group(m.ndim - 1) for m in meshes}
+        _optim_load_group[0] = groups.pop() if len(groups) == 1 else None
+    return layout, group
+
+
+def _create_chunk_sharded_tensor(tensor, rank, world_size, num_devices_per_node, pg,
+                                 device=None):
+    group = _optim_load_group[0]
+    if group is not None and pg is dist_c10d._get_default_group():
+        # chunks over the ranks sharing this checkpoint, as FSDP1 will gather them
+        rank, world_size, pg = dist.get_rank(group), group.size(), group
+    return _torch_chunk_sharded(tensor, rank, world_size, num_devices_per_node, pg, device)
 
 
 # -- gradient shards ---------------------------------------------------------------------
