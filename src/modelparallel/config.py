@@ -186,7 +186,9 @@ class Config:
                    if script.get(k, defaults[k]) != v}
         rank0 = environ.get("RANK", "0") == "0"
         if changed and rank0:
-            logger.warning("MP_CONFIG from the launcher overrides the script's configuration: %s",
+            logger.warning("%s from the launcher overrides the script's configuration: %s",
+                           " and ".join(n for n in ("MP_CONFIG", "SM_HP_MP_PARAMETERS")
+                                        if environ.get(n)),
                            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         merged = {**script, **launcher}
         config = cls(**merged)

@@ -134,11 +134,14 @@ def test_checkpoint_utils_keep_the_newest_directories(tmp_path):
         (tmp_path / f"run_{step}steps").mkdir()
     (tmp_path / "other").mkdir()
     removed = limit_num_subdirs(str(tmp_path), 2, sort_fn=SORT_BY_LAST_INT,
-                                regex=r"^.*\d+steps$", log=False)
+                                regex=r"^.*\d+steps$", log=True)
     assert sorted(removed) == ["run_5steps", "run_7steps"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "run_300steps",
                                                           "run_40steps"]
     assert limit_num_subdirs(str(tmp_path), None) == []
+    # called on every rank, only the one with log=True removes (as SMP's scripts call it)
+    assert limit_num_subdirs(str(tmp_path), 1, regex=r"^.*\d+steps$", log=False) == []
+    assert (tmp_path / "run_40steps").exists()
 
 
 def test_test_utils_dump_and_verify(tmp_path):
@@ -242,3 +245,10 @@ def test_jobs_in_sagemaker_form_run_with_the_compat_switch(tmp_path, distributio
                       name="job")
     env = worker_environment(spec, 0, {}, JobLayout(tmp_path / "job"), tmp_path)
     assert (env.get(compat.ENVIRONMENT_SWITCH) == "sagemaker") is on
+
+
+def test_state_reset_forgets_the_initialization():
+    done = _run("import torch.sagemaker as tsm\ntsm.init()\ntsm.state.reset()\n"
+                "assert not tsm.is_initialized()\ntsm.init()\nprint(tsm.state.world_size)",
+                MODELPARALLEL_COMPAT="sagemaker")
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr

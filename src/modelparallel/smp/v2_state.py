@@ -58,6 +58,7 @@ class V2Attributes:
     _context: ParallelContext | None
     _degree_overrides: dict[str, int]
     _singletons: dict[str, Any]
+    set: Any  # State.set
 
     def _ctx(self, name: str) -> ParallelContext:
         if self._context is None:
@@ -190,6 +191,10 @@ class V2Attributes:
             group, _ = dist.new_subgroups(group_size=1)
             self._singletons["group"] = group
         return self._singletons["group"]
+
+    def reset(self) -> None:
+        """``tsm.state.reset()``: forget the initialization (as ``tsm.reset()``)."""
+        self.set(None)
 
     @property
     def ranker(self) -> Ranker:

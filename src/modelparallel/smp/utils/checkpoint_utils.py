@@ -26,9 +26,11 @@ def limit_num_subdirs(path: str, num_to_keep: int | None,
     """Remove all but the ``num_to_keep`` last subdirectories of ``path`` (by
     ``sort_fn``, among those whose name matches ``regex``); returns what was removed.
 
-    ``num_to_keep`` None or below 1 keeps everything.
+    ``log`` names the one rank that logs and removes (SMP's scripts call it on every
+    rank with ``log=rank == 0``); with ``log=False`` nothing is removed. ``num_to_keep``
+    None or below 1 keeps everything.
     """
-    if not num_to_keep or num_to_keep < 1 or not os.path.isdir(path):
+    if not log or not num_to_keep or num_to_keep < 1 or not os.path.isdir(path):
         return []
     pattern = re.compile(regex) if regex else None
     names = [n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n))
@@ -36,7 +38,6 @@ def limit_num_subdirs(path: str, num_to_keep: int | None,
     names.sort(key=sort_fn)
     removed = names[:-num_to_keep] if len(names) > num_to_keep else []
     for name in removed:
-        shutil.rmtree(os.path.join(path, name))
-        if log:
-            get_logger().info("removed old checkpoint %s", os.path.join(path, name))
+        shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+        get_logger().info("removed old checkpoint %s", os.path.join(path, name))
     return removed
