@@ -3,7 +3,8 @@ GPT-2 wrapped in smp.DistributedModel (pipeline x tensor parallel), smp.step wit
 microbatches, smp.DistributedOptimizer with an LR scheduler, gradient clipping, and a
 checkpoint saved with smp.save_checkpoint and resumed with smp.resume_from_checkpoint.
 
-It keeps SageMaker's import lines; run it unchanged with
+It needs transformers (`pip install -e ".[hf]"`). It keeps SageMaker's import lines;
+run it unchanged with
 
     modelparallel run --compat sagemaker --nproc-per-node 4 examples/sagemaker/smp_v1_gpt2.py
 

@@ -5,7 +5,8 @@ weights that only rank 0 holds (load_state_dict_from_rank0, DelayedParamIniter a
 sync_module_states), tsm's gradient clipping, and a sharded checkpoint written with
 torch.sagemaker.distributed.checkpoint and resumed from.
 
-It keeps SageMaker's import lines; run it unchanged with
+It needs transformers (`pip install -e ".[hf]"`). It keeps SageMaker's import lines;
+run it unchanged with
 
     modelparallel run --compat sagemaker --nproc-per-node 4 examples/sagemaker/smp_v2_fsdp.py
 
