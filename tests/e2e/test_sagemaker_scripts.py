@@ -86,6 +86,25 @@ def load_ported(script: str, tmp_path: Path):
     return module
 
 
+def lm_reference(model_class, config, steps):
+    """One plain process training what the GPT-2 and Llama scripts train (SGD, their LR
+    schedule, clipping at 1.0): every step's loss and the final state dict."""
+    torch.manual_seed(0)
+    model = model_class(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    losses = []
+    for ids in common.token_batches(steps):
+        loss = model(input_ids=ids, labels=ids)["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
 def test_smddp_script_both_ways(modelparallel, tmp_path):
     results = run_both_ways(modelparallel, tmp_path, "smddp_cnn.py", 2, "--steps", 4)
     script = load_ported("smddp_cnn.py", tmp_path)
@@ -114,20 +133,7 @@ def test_smp_v1_script_both_ways(modelparallel, tmp_path):
                             "--optimizer", "sgd", "--lr", 0.05)
     for _, _, ran in results.values():  # the pipeline was cut in two (the script checks
         assert re.search(r"\[rank0\]:\s+1 ", ran.out), ran.out  # what it resumed)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(common.gpt2_config())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    losses = []
-    for ids in common.token_batches(steps):
-        loss = model(input_ids=ids, labels=ids)["loss"]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert_parity(results, losses, model.state_dict())
+    assert_parity(results, *lm_reference(GPT2LMHeadModel, common.gpt2_config(), steps))
 
 
 def test_smp_v2_script_both_ways(modelparallel, tmp_path):
@@ -140,17 +146,4 @@ def test_smp_v2_script_both_ways(modelparallel, tmp_path):
                             "--optimizer", "sgd", "--lr", 0.05)
     for _, _, ran in results.values():
         assert "Model creation took " in ran.all and "FSDP constructor took " in ran.all
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(common.llama_config())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    losses = []
-    for ids in common.token_batches(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert_parity(results, losses, model.state_dict())
+    assert_parity(results, *lm_reference(LlamaForCausalLM, common.llama_config(), steps))
