@@ -235,12 +235,14 @@ SMP1_GPT2_PP = _smp1_gpt2(
 SMP1_GPT2_TP = _smp1_gpt2(
     "smp1-gpt2-tp2", ["--tensor_parallel_degree", "2", "--use_distributed_transformer", "1",
                       "--prescaled_batch", "0"],
-    "SMP v1 GPT-2, tensor parallel 2 with smp.nn's distributed transformer, checkpoints")
+    "SMP v1 GPT-2, tensor parallel 2: GPT-2 replaced by smp.nn's DistributedTransformerLMHead "
+    "(the script's default), checkpoint and resume")
 
 SMP1_GPT2_TP_HF = _smp1_gpt2(
     "smp1-gpt2-tp2-hf", ["--tensor_parallel_degree", "2", "--use_distributed_transformer", "0",
                          "--prescaled_batch", "0"],
-    "SMP v1 GPT-2, tensor parallel 2 of the Hugging Face model itself, checkpoints")
+    "SMP v1 GPT-2, tensor parallel 2 with --use_distributed_transformer 0: replaced too (the "
+    "script marks the model when tp_size() > 1) and read as transformer.h, checkpoints")
 
 EXAMPLES: list[Example] = [SMDDP_MNIST, SMDDP_MNIST_V13, SMP1_MNIST, SMP1_GPT2_PP, SMP1_GPT2_TP,
                            SMP1_GPT2_TP_HF]

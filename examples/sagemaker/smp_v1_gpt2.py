@@ -3,6 +3,12 @@ GPT-2 wrapped in smp.DistributedModel (pipeline x tensor parallel), smp.step wit
 microbatches, smp.DistributedOptimizer with an LR scheduler, gradient clipping, and a
 checkpoint saved with smp.save_checkpoint and resumed with smp.resume_from_checkpoint.
 
+As in train_gpt_simple.py, --use_distributed_transformer 1 (the default) builds the model
+inside smp.model_creation(tensor_parallelism=True): smp.DistributedModel then replaces
+the GPT-2 by smp.nn.DistributedTransformerLMHead, its weights carried over, as SMP does
+(SMP_USE_HF_GELU=1 keeps GPT-2's tanh GeLU there, as in SMP). With 0 the Hugging Face
+model is split in place by modelparallel's built-in GPT-2 plan.
+
 It needs transformers (`pip install -e ".[hf]"`). It keeps SageMaker's import lines;
 run it unchanged with
 
@@ -13,12 +19,16 @@ or change its import to `import modelparallel as smp` and drop `--compat sagemak
 
 import argparse
 import json
+import os
 
 import numpy as np
 import smdistributed.modelparallel.torch as smp
 import torch
 from common import gpt2_config, make_optimizer, rows, token_batches, write_results
+from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
 from transformers import GPT2LMHeadModel
+
+os.environ.setdefault("SMP_USE_HF_GELU", "1")  # GPT-2's own GeLU in SMP's modules
 
 CONFIG = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
           "ddp": True, "pipeline": "interleaved"}
@@ -27,9 +37,13 @@ CONFIG = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatc
 def build(args):
     """The model, optimizer and scheduler, as the script builds them at start."""
     torch.manual_seed(0)  # every rank builds the same model (SMP syncs them anyway)
-    with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+    with smp.model_creation(tensor_parallelism=args.use_distributed_transformer > 0):
         model = GPT2LMHeadModel(gpt2_config())
     model = smp.DistributedModel(model, trace_device="gpu")
+    module = model.get_module()
+    layers = module.transformer.seq_layers if args.use_distributed_transformer \
+        else module.transformer.h
+    assert len(layers) == 2, layers
     optimizer = smp.DistributedOptimizer(
         make_optimizer(args, model.parameters()),
         static_loss_scale=None, dynamic_loss_scale=True,
@@ -51,6 +65,7 @@ def main():
     parser.add_argument("--restart_at", type=int, default=2)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--use_distributed_transformer", type=int, default=1)
     parser.add_argument("--checkpoint_dir", default="/tmp/smp_v1_gpt2_ckpt")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -62,7 +77,7 @@ def main():
         if step == args.restart_at:  # save, then start over as a restarted job would
             smp.save_checkpoint(args.checkpoint_dir, tag=f"step{step}", partial=True,
                                 user_content={"step": np.int64(step),
-                                              "config": model.get_module().config,
+                                              "config": gpt2_config(),
                                               "scheduler": scheduler.state_dict()})
             smp.reset()
             smp.init(CONFIG)
@@ -83,6 +98,8 @@ def main():
         if smp.rank() == 0:
             print(json.dumps({"step": step, "loss": losses[-1]}), flush=True)
     state = model.state_dict()  # the full model, every stage's part (collective)
+    if args.use_distributed_transformer:
+        state = translate_state_dict_to_hf_gpt2(state)  # Hugging Face's names
     if smp.rank() == 0 and args.out:
         write_results(args.out, losses, state)
 

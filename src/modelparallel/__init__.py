@@ -25,8 +25,6 @@ from modelparallel.parallel.state_dict import full_state_dict, load_full_state_d
 from modelparallel.parallel.tensor import (
     TPPlan,
     loss_parallel,
-    set_tensor_parallelism,
-    tp_register_with_module,
 )
 from modelparallel.smp import amp, nn, observe, optimizers, ranker
 from modelparallel.smp import checkpoints as checkpoint
@@ -81,7 +79,8 @@ from modelparallel.smp.ranks import (
 from modelparallel.smp.save_load import load, save
 from modelparallel.smp.state import NotInitializedError, init, is_initialized, reset, state
 from modelparallel.smp.step import step
-from modelparallel.smp.tp_context import tensor_parallelism
+from modelparallel.smp.tp_context import set_tensor_parallelism, tensor_parallelism
+from modelparallel.smp.tp_replace import tp_register, tp_register_with_module
 from modelparallel.smp.v1_extras import (
     gather,
     is_tracing,
@@ -188,6 +187,7 @@ __all__ = [
     "tensor_parallelism",
     "tp_barrier",
     "tp_rank",
+    "tp_register",
     "tp_register_with_module",
     "tp_size",
     "transform",

@@ -25,6 +25,7 @@ import common  # noqa: E402  (the scripts' shared helpers)
 # The import-line port, as the README gives it.
 IMPORT_LINE = [
     ("import smdistributed.modelparallel.torch as smp", "import modelparallel as smp"),
+    ("from smdistributed.modelparallel.torch", "from modelparallel"),
     ("import smdistributed.dataparallel.torch.torch_smddp",
      "import modelparallel.dataparallel"),
     ("import torch.sagemaker as tsm", "import modelparallel as tsm"),
@@ -124,6 +125,8 @@ def test_smddp_script_both_ways(modelparallel, tmp_path):
 
 
 def test_smp_v1_script_both_ways(modelparallel, tmp_path):
+    """GPT-2 replaced by smp.nn.DistributedTransformerLMHead (the script's default, as in
+    SMP), pipeline 2 x tensor parallel 2, against the Hugging Face GPT-2 in one process."""
     pytest.importorskip("transformers")
     from transformers import GPT2LMHeadModel
 
@@ -133,6 +136,7 @@ def test_smp_v1_script_both_ways(modelparallel, tmp_path):
                             "--optimizer", "sgd", "--lr", 0.05)
     for _, _, ran in results.values():  # the pipeline was cut in two (the script checks
         assert re.search(r"\[rank0\]:\s+1 ", ran.out), ran.out  # what it resumed)
+        assert "GPT2LMHeadModel replaced by smp.nn's DistributedTransformerLMHead" in ran.all
     assert_parity(results, *lm_reference(GPT2LMHeadModel, common.gpt2_config(), steps))
 
 

@@ -15,7 +15,7 @@ from modelparallel.parallel.pipeline.engine import PipelineEngine
 from modelparallel.parallel.pipeline.layout import PARTITION_ATTR
 from modelparallel.parallel.pipeline.record import ScheduleRecording, gather_events
 from modelparallel.parallel.pipeline.runtime import current_microbatch
-from modelparallel.smp import registry
+from modelparallel.smp import registry, tp_context, tp_replace
 from modelparallel.smp.model_options import ModelOptions, broadcast_buffers
 from modelparallel.smp.model_v1_methods import V1ModelMethods
 from modelparallel.smp.state import state
@@ -84,6 +84,8 @@ class DistributedModel(V1ModelMethods, nn.Module):
         if registry.model() is not None:  # one per mp.init()
             raise RuntimeError("only one mp.DistributedModel may exist per process; wrap the "
                                "whole model once")
+        module = tp_replace.replace_marked(module)  # SMP's distributed modules (GPT-2, ...)
+        tp_context.in_place(tp_replace.unreplaced_with_options(module))
         self.module = module
         self.engine = PipelineEngine(module, ctx, passes_per_sync=backward_passes_per_step,
                                      loss_scale=self._loss_scale,

@@ -1,8 +1,10 @@
-"""SMP v1's ``smp.tensor_parallelism(enabled, **options)``: modules created inside are
-marked for tensor parallelism. SMP's options configure the kernels of its own
-distributed modules (fused softmax, fp32 attention, ...); modelparallel splits the
-modules the script builds with DTensor plans and keeps their own computation, so the
-options have no effect here, which one line says."""
+"""SMP v1's ``smp.tensor_parallelism(enabled, **options)`` and
+``smp.set_tensor_parallelism(module, enabled, **options)``: modules are marked for tensor
+parallelism. SMP's options are arguments of its distributed modules: they reach the
+``smp.nn`` modules that replace marked ones (``tp_replace``: Hugging Face GPT-2, and
+classes registered with ``tp_register_with_module(cls, dist_module)``), which apply or
+refuse each or say it has no effect. Modules split in place by a tensor-parallel plan
+keep their own computation; one line says the options have no effect on them."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from torch import nn
+
 from modelparallel.parallel.tensor import plans
+from modelparallel.smp import tp_replace
 from modelparallel.smp.state import state
 
 logger = logging.getLogger("modelparallel")
@@ -22,17 +27,40 @@ OPTIONS = ("fused_softmax", "fused_bias_gelu", "attention_in_fp32", "query_key_l
            "distribute_embedding", "use_alibi", "alibi_bias_max", "zero_init")
 
 
-def no_effect(where: str, options: dict[str, Any]) -> None:
-    """Say once (rank 0) that SMP's kernel options have no effect here; refuse others."""
+def given(where: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options set (not None); unknown ones are refused."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"{where} got unknown option(s) {unknown}; SMP's options are "
                         f"{', '.join(OPTIONS)}")
-    given = {k: v for k, v in options.items() if v is not None}
-    if given and state.rank == 0:
-        logger.info("%s(%s) has no effect: modelparallel splits the modules the script "
-                    "builds with tensor-parallel plans and keeps their own computation",
-                    where, ", ".join(f"{k}={v!r}" for k, v in sorted(given.items())))
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def no_effect(where: str, options: dict[str, Any]) -> None:
+    """Say once (rank 0) that SMP's module options have no effect where no module is
+    marked for tensor parallelism (``model_creation(tensor_parallelism=False)``)."""
+    set_options = given(where, options)
+    if set_options and state.rank == 0:
+        logger.info("%s(%s) has no effect: the options are arguments of the smp.nn modules "
+                    "that replace modules marked for tensor parallelism, and none are marked "
+                    "here", where, _listed(set_options))
+
+
+def in_place(modules: list[nn.Module]) -> None:
+    """Say once (rank 0) that options given to modules split in place have no effect."""
+    options: dict[str, Any] = {}
+    for module in modules:
+        options.update(getattr(module, tp_replace.OPTIONS_ATTR, {}))
+    if options and state.rank == 0:
+        names = sorted({type(m).__name__ for m in modules})
+        logger.info("smp.tensor_parallelism(%s) has no effect on %s: split in place by a "
+                    "tensor-parallel plan, they keep their own computation (SMP's options "
+                    "apply to the smp.nn modules that replace GPT-2 or registered classes)",
+                    _listed(options), ", ".join(names))
+
+
+def _listed(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
 
 
 @contextlib.contextmanager
@@ -45,9 +73,19 @@ def tensor_parallelism(enabled: bool = True, fused_softmax: bool | None = None,
                        distribute_embedding: bool | None = None,
                        use_alibi: bool | None = None, alibi_bias_max: int | None = None,
                        zero_init: bool | None = None) -> Iterator[None]:
-    """Modules created inside are marked as with ``set_tensor_parallelism`` (SMP's
-    kernel options: one line says they have no effect)."""
-    options = {k: v for k, v in locals().items() if k in OPTIONS}
-    no_effect("smp.tensor_parallelism", options)
-    with plans.tensor_parallelism(enabled):
+    """Modules created inside are marked as with ``set_tensor_parallelism``; the options
+    go to the modules that replace them (module docstring)."""
+    options = given("smp.tensor_parallelism", {k: v for k, v in locals().items()
+                                               if k in OPTIONS})
+    with plans.tensor_parallelism(enabled), tp_replace.creating_with(options):
         yield
+
+
+def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **options: Any) -> None:
+    """Mark ``module`` (and what it contains) as split (``True``) or kept whole
+    (``False``), as the core's ``set_tensor_parallelism``; SMP's options go to the
+    module that replaces it (module docstring)."""
+    set_options = given("smp.set_tensor_parallelism", options)
+    plans.set_tensor_parallelism(module, enabled)
+    if set_options:
+        object.__setattr__(module, tp_replace.OPTIONS_ATTR, set_options)

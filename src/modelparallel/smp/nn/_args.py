@@ -19,6 +19,10 @@ logger = logging.getLogger("modelparallel")
 _NO_EFFECT = {
     "fused_softmax": "fused softmax is a kernel choice; SDPA computes the same softmax",
     "fused_bias_gelu": "fused bias+GeLU is a kernel choice; the result is the same",
+    "fused_dropout": "fused dropout is a kernel choice; the result is the same",
+    "flash_attention": "attention runs in torch's scaled_dot_product_attention, which picks "
+                       "the flash kernel where it applies",
+    "zero_init": "SMP's parameter bookkeeping for sharded data parallelism",
     "query_key_layer_scaling": "Megatron's fp16 rescaling of attention scores leaves the "
                                "softmax unchanged",
     "distribute_embedding": "the word embedding is split over the vocabulary under "

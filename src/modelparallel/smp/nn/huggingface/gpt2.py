@@ -17,11 +17,16 @@ the fused ``c_attn``. Inputs are full (single-device) state dicts.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from modelparallel.smp import tp_replace
+from modelparallel.smp.nn.transformer import DistributedTransformerLMHead
+from modelparallel.smp.state import state
 
 logger = logging.getLogger("modelparallel")
 
@@ -201,6 +206,11 @@ def hf_gpt2_transformer_lm_head_init_hook(config: Any) -> tuple[tuple, dict[str,
                          f"{config.activation_function!r}")
     if getattr(config, "add_cross_attention", False):
         raise ValueError("GPT-2 with add_cross_attention is not supported (as in SMP)")
+    if config.activation_function == "gelu_new" and os.environ.get("SMP_USE_HF_GELU") != "1" \
+            and state.rank == 0:
+        logger.warning("GPT-2's gelu_new (tanh approximation) becomes the exact GeLU in "
+                       "DistributedTransformerLMHead, as in SMP; set SMP_USE_HF_GELU=1 to keep "
+                       "GPT-2's own")
     return (), dict(
         num_layers=config.n_layer, num_attention_heads=config.n_head,
         attention_head_size=config.n_embd // config.n_head, hidden_size=config.n_embd,
@@ -258,3 +268,20 @@ __all__ = ["get_hf_gpt2_transformer_lm_head_hooks",
            "translate_hf_state_dict_to_smdistributed_gpt2",
            "translate_hf_state_dict_to_smdistributed_gpt2_layer",
            "translate_state_dict_to_hf_gpt2", "translate_state_dict_to_hf_gpt2_layer"]
+
+
+@tp_replace.builtin("GPT2LMHeadModel")
+def _lm_head_replacement() -> tp_replace.Replacement:
+    """SMP's out-of-the-box replacement of a marked ``GPT2LMHeadModel``."""
+    init_hook, forward_hook, return_hook = get_hf_gpt2_transformer_lm_head_hooks()
+    return tp_replace.Replacement(DistributedTransformerLMHead, init_hook, forward_hook,
+                                  return_hook, translate_hf_state_dict_to_smdistributed_gpt2,
+                                  _layers_also_as_h)
+
+
+def _layers_also_as_h(lm_head: torch.nn.Module) -> None:
+    """``transformer.h`` names the same layers as ``transformer.seq_layers``: SMP scripts
+    (train_gpt_simple.py) read either, depending on their own flags. Not a registered
+    submodule, so the state dict keeps SMP's names only."""
+    transformer = lm_head.get_submodule("transformer")
+    object.__setattr__(transformer, "h", transformer.get_submodule("seq_layers"))
