@@ -13,6 +13,8 @@ columns, vocabulary-parallel embedding and LM head with a parallel cross-entropy
 and the data-parallel layout applies to what remains: 4 ranks = 2 TP x 2 shards.
 With --precision bf16 or fp16 the forward and backward compute in that type with
 float32 parameters and optimizer state; fp16 scales the loss with mp.LossScaler.
+Each run leaves a run directory (runs/DATE-train/): the logs, every step's metrics,
+TensorBoard events and report.html (docs/launcher.md#run-directories).
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--text-bytes", type=int, default=2_000_000)
     p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--metrics", default="runs/gpt/metrics.jsonl",
-                   help="JSON lines with every step's metrics (rank 0)")
+    p.add_argument("--metrics", default=None,
+                   help="also write every step's metrics (JSON lines, rank 0) here; they "
+                        "always go to the run directory's metrics.jsonl under modelparallel "
+                        "run")
     return p.parse_args()
 
 
@@ -90,7 +94,8 @@ def main() -> None:
     # fp16 gradients underflow without loss scaling (overflowing steps are skipped)
     scaler = mp.LossScaler(init_scale=2.0 ** 16) if args.precision == "fp16" else None
     loader = mp.data.DataLoader(train_data, batch_size=args.batch_size, seed=0, drop_last=True)
-    metrics = mp.observe.StepMetrics(jsonl=args.metrics, print_every=args.log_every)
+    metrics = mp.observe.StepMetrics(jsonl=args.metrics, print_every=args.log_every,
+                                     total_steps=args.steps)  # a progress bar with an ETA
     global_batch = args.batch_size * mp.rdp_size()  # one batch per model replica
     if mp.rank() == 0:
         print(f"{mp.state.topology.describe()}; GPT with {n_params / 1e6:.2f}M parameters; "

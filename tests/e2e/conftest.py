@@ -25,9 +25,12 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
 
 
 @pytest.fixture
-def clean_env() -> dict[str, str]:
-    """This environment without anything a launcher sets, as in a fresh shell."""
-    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+def clean_env(tmp_path) -> dict[str, str]:
+    """This environment without anything a launcher sets, as in a fresh shell; run
+    directories go under the test's own directory, not the repository's runs/."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["MODELPARALLEL_RUNS_DIR"] = str(tmp_path / "runs")
+    return env
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 stop and concurrent jobs, through the Estimator and the CLI."""
 
 import json
+import os
 import tarfile
 import threading
 import time
@@ -69,6 +70,9 @@ def test_contract_channels_artifacts_and_metrics(jobs, tmp_path):
         for key in ("MODEL_DIR", "OUTPUT_DATA_DIR", "OUTPUT_DIR"):
             assert env[f"SM_{key}"] == env[f"MP_{key}"]
         assert env["MP_CHECKPOINT_DIR"] == str(jobs.dir / job.name / "checkpoints")
+        run_dir = jobs.dir / job.name / "instances" / "algo-1" / "run"
+        assert env["MP_RUN_DIR"] == str(run_dir)
+        assert env["MP_METRICS_FILE"] == str(run_dir / "metrics.jsonl")
         assert r["cwd"].endswith("instances/algo-1/code")
         channels = r["channels"]
         assert channels["val"]["path"] == str(val)  # FastFile: read in place
@@ -93,6 +97,11 @@ def test_contract_channels_artifacts_and_metrics(jobs, tmp_path):
     assert "train:loss: 0.5" in described.stdout and "Completed" in described.stdout
     listed = jobs.cli("list", "--json")
     assert [j["name"] for j in json.loads(listed.stdout)] == [job.name]
+    run_dir = jobs.dir / job.name / "instances" / "algo-1" / "run"
+    assert json.loads(listed.stdout)[0]["run_dir"] == str(run_dir)
+    assert json.loads((run_dir / "outcome.json").read_text())["exit_code"] == 0
+    assert (run_dir / "report.html").is_file() and (run_dir / "config.json").is_file()
+    assert oct(os.stat(jobs.dir / job.name).st_mode & 0o777) == "0o700"
     logs = jobs.cli("logs", job.name)
     assert "epoch=1 train_loss=0.5000" in logs.stdout
 

@@ -63,7 +63,7 @@ def test_a_rank_that_never_joins_ends_the_run_with_a_hint(modelparallel, script)
     assert re.search(r"error: RuntimeError: .*Timed out waiting 5000ms", summary), summary
     assert HINT in summary, summary
     assert "stopped by the launcher: rank(s) 1" in summary
-    assert re.search(rf"\[rank0\]: .*{re.escape(HINT)}", ran.err), "the rank prints it too"
+    assert "rank 1 did not arrive: it is at " in summary, summary  # the doctor's line
     print(f"ended {waited:.1f}s after the wait began, {ran.seconds:.1f}s after launch")
 
 

@@ -21,6 +21,7 @@ from modelparallel.jobs.estimator import (
     follow_log,
     stop_job,
 )
+from modelparallel.jobs.layout import JobLayout
 from modelparallel.jobs.spec import JobError, read_job_file
 from modelparallel.jobs.store import TERMINAL, JobExists, JobStore, default_jobs_dir
 
@@ -109,11 +110,11 @@ def _list(args: argparse.Namespace, jobs_dir: Path) -> int:
     if args.json:
         print(json.dumps([_summary(r) for r in records], indent=2))
         return 0
-    rows = [("NAME", "STATUS", "BACKEND", "INSTANCES", "CREATED", "DURATION")]
+    rows = [("NAME", "STATUS", "BACKEND", "INSTANCES", "CREATED", "DURATION", "RUN DIR")]
     for r in records:
         rows.append((r["name"], r["secondary_status"], r["backend"],
                      f"{r['instance_count']}x{r['processes_per_host']}",
-                     _time(r["created_at"]), _duration(r)))
+                     _time(r["created_at"]), _duration(r), _run_dir(r)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
@@ -149,6 +150,8 @@ def _describe(args: argparse.Namespace, jobs_dir: Path) -> int:
         if record[key]:
             print(f"{label + ':':<17}{record[key]}")
     print(f"job directory:   {record['job_dir']}")
+    print(f"run directory:   {_run_dir(record)} (report.html: `modelparallel report DIR` "
+          f"builds it again)")
     if record["failure_reason"]:
         print("failure reason:\n  " + record["failure_reason"].replace("\n", "\n  "))
     if record["metrics"]:
@@ -192,9 +195,15 @@ def _last_metrics(job: TrainingJob) -> dict[str, float]:
 
 
 def _summary(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: r[k] for k in ("name", "status", "secondary_status", "backend",
-                              "instance_count", "processes_per_host", "created_at",
-                              "ended_at", "model_uri", "failure_reason")}
+    return {**{k: r[k] for k in ("name", "status", "secondary_status", "backend",
+                                 "instance_count", "processes_per_host", "created_at",
+                                 "ended_at", "model_uri", "failure_reason")},
+            "run_dir": _run_dir(r)}
+
+
+def _run_dir(r: dict[str, Any]) -> str:
+    """The job's run directory: its first instance's (logs, metrics, report.html)."""
+    return str(JobLayout(r["job_dir"]).run_dir(0))
 
 
 def _layout(r: dict[str, Any]) -> str:

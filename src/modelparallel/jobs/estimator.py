@@ -182,7 +182,7 @@ def submit(spec: JobSpec, jobs_dir: Path) -> TrainingJob:
                           job_dir=str(layout.root), backend=spec.backend,
                           checkpoint_uri=spec.checkpoint_uri)
     try:
-        layout.root.mkdir(parents=True, exist_ok=True)
+        layout.create()
         snapshot_code(spec, layout)
         for name, channel in list(spec.inputs.items()):
             if is_private(channel.uri):

@@ -96,10 +96,9 @@ def _gpus() -> int:
 def prepare(spec: JobSpec, layout: JobLayout, index: int) -> tuple[Path, dict[str, str]]:
     """A fresh instance directory with the code and channels; (code dir, channels)."""
     inst = layout.instance(index)
-    for sub in ("code", "input", "model", "output"):
+    for sub in ("code", "input", "model", "output", "run"):  # run: this attempt's run dir
         shutil.rmtree(inst / sub, ignore_errors=True)
-    for name in ("result.json", "metrics.jsonl"):
-        (inst / name).unlink(missing_ok=True)
+    (inst / "result.json").unlink(missing_ok=True)
     code = inst / "code"
     shutil.copytree(layout.code, code)
     for sub in ("model", "output/data", "input/data"):
@@ -167,6 +166,7 @@ def run_instance(layout: JobLayout, index: int, rdzv_endpoint: str, local_addr: 
             rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
             config=str(config_file) if config_file else None,
             max_restarts=spec.max_restarts, local_addr=local_addr,
+            run_dir=str(layout.run_dir(index)),
             # the first instance hosts the store: a failed bind is an error at once,
             # not two clients waiting for a store nobody hosts
             rdzv_host=index == 0))

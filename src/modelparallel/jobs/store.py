@@ -89,12 +89,21 @@ class JobExists(RuntimeError):
     """A job of that name is still running."""
 
 
+PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700  # a job store is its user's alone
+
+
 class JobStore:
-    """The SQLite database at ``path`` (created on first use)."""
+    """The SQLite database at ``path`` (created on first use), readable and writable by
+    its user only (0600; SQLite gives its -wal and -shm files the same mode). A new
+    jobs directory is made 0700; an existing one is left as it is."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.parent.is_dir():
+            self.path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+            os.chmod(self.path.parent, PRIVATE_DIR)  # mkdir's mode is masked by the umask
+        os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, PRIVATE_FILE))
+        os.chmod(self.path, PRIVATE_FILE)  # a store made before this was 0644
         with self._connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)

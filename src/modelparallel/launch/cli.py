@@ -1,5 +1,5 @@
 """The ``modelparallel`` command: ``run`` a training script, ``check-config`` a file,
-submit and follow training ``jobs``."""
+``report`` on a run, submit and follow training ``jobs``."""
 
 from __future__ import annotations
 
@@ -32,7 +32,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="JSON or YAML configuration; overrides the script's (MP_CONFIG)")
     r.add_argument("--max-restarts", type=int, default=0,
                    help="restart the worker group this many times after a failure")
-    r.add_argument("--log-dir", default=None, help="keep each worker's output here")
+    r.add_argument("--log-dir", default=None, help="keep each worker's output here (default: "
+                                                   "logs/ in the run directory)")
+    r.add_argument("--run-dir", default=None,
+                   help="the run directory: config, logs, metrics, TensorBoard events, "
+                        "report.html (default: a new dated directory under runs/, or "
+                        "$MODELPARALLEL_RUNS_DIR)")
     r.add_argument("--compat", choices=["sagemaker"], default=None,
                    help="run the script with its SageMaker imports unchanged: "
                         "smdistributed.modelparallel.torch, torch.sagemaker and "
@@ -46,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=int, default=None,
                    help="also check the degrees against this many processes")
     c.add_argument("--list", action="store_true", help="list every key with its default")
+
+    rp = sub.add_parser("report", help="build a run directory's report.html again",
+                        description="Write RUN_DIR/report.html from what the run directory "
+                                    "holds (modelparallel run writes it when a run ends).")
+    rp.add_argument("run_dir", help="a run directory (runs/...)")
 
     from modelparallel.jobs.cli import add_parser as add_jobs_parser
 
@@ -78,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         sys.exit(check_config(args.file, args.world_size, args.list))
+    if args.command == "report":
+        sys.exit(report(args.run_dir))
     if args.command == "jobs":
         from modelparallel.jobs.cli import main as jobs_main
 
@@ -87,11 +99,24 @@ def main(argv: list[str] | None = None) -> None:
             script=args.script, script_args=args.script_args, nproc_per_node=args.nproc_per_node,
             nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=args.rdzv_id, config=args.config, max_restarts=args.max_restarts,
-            log_dir=args.log_dir, compat=args.compat))
+            log_dir=args.log_dir, compat=args.compat, run_dir=args.run_dir))
     except ConfigError as e:
         print(f"modelparallel run: {e}", file=sys.stderr)
         code = 2
     sys.exit(code)
+
+
+def report(run_dir: str) -> int:
+    """``modelparallel report RUN_DIR``: write its report.html again."""
+    from modelparallel.observe.report import write_report
+
+    try:
+        path = write_report(run_dir)
+    except FileNotFoundError as e:
+        print(f"modelparallel report: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
 
 
 def describe_keys() -> str:

@@ -9,10 +9,12 @@ rank that failed first, its exit code and the tail of its traceback.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import elastic_launch
 
 import modelparallel_compat
+from modelparallel import doctor
 from modelparallel.config import Config, normalise
 from modelparallel.config_files import read_config_file
+from modelparallel.launch.run_dir import keep_run_directory
 from modelparallel.launch.worker import COLLECTIVE_TIMEOUT
 
 LOOPBACK = "127.0.0.1"
@@ -46,6 +50,7 @@ class RunOptions:
     local_addr: str | None = None  # this node's address for the other nodes (multi-node)
     rdzv_host: bool | None = None  # whether this node hosts the c10d rendezvous store
     compat: str | None = None  # "sagemaker": SageMaker's imports resolve to modelparallel
+    run_dir: str | None = None  # default: a new dated directory under runs/ (run_dir.py)
 
 
 def load_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], Config]:
@@ -96,6 +101,7 @@ def run(opts: RunOptions) -> int:
     return run_workers(opts)[0]
 
 
+@keep_run_directory(default_nproc_per_node)  # its logs, config, metrics and report.html
 def run_workers(opts: RunOptions) -> tuple[int, str | None]:
     """Launch the workers and wait for them: the exit code for the shell, and the
     failure summary (also printed) when a worker failed."""
@@ -129,14 +135,19 @@ def run_workers(opts: RunOptions) -> tuple[int, str | None]:
     # cmd_args is ["-u", script, *script_args]; run the script through our worker wrapper
     # so an uncaught error reaches the summary without the script using @record.
     entry_args = ["-u", "-m", "modelparallel.launch.worker", *cmd_args[1:]]
-    try:
-        elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
-    except ChildFailedError as e:
-        summary = failure_summary(e)
-        print(summary, file=sys.stderr, flush=True)
-        _, first = first_failure(e)
-        code = exit_code(first)
-        return (code if code > 0 else 128 + abs(code or 1)), summary.strip("\n=")
+    # the agent's own lines ("Sending process ... closing signal", "failed (exitcode: 1)")
+    # repeat what the summary says
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="mp-doctor-") as doctor_dir:
+        os.environ[doctor.FOLDER] = doctor_dir  # each rank's last call, for a postmortem
+        try:
+            elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
+        except ChildFailedError as e:
+            summary = failure_summary(e, doctor.postmortem(doctor_dir))
+            print(summary, file=sys.stderr, flush=True)
+            _, first = first_failure(e)
+            code = exit_code(first)
+            return (code if code > 0 else 128 + abs(code or 1)), summary.strip("\n=")
     return 0, None
 
 
@@ -198,30 +209,57 @@ def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
                                  item[1].timestamp, item[0]))
 
 
-def failure_summary(error: ChildFailedError, traceback_lines: int = 20) -> str:
-    """Which rank failed first, with what, and what happened to the others."""
+def _extra(failure: ProcessFailure, key: str) -> str:
+    """A field the worker wrapper recorded with the error (``py_callstack``, ...)."""
+    data = failure.error_file_data
+    msg = data.get("message") if isinstance(data, dict) else None
+    extra = msg.get("extraInfo", {}) if isinstance(msg, dict) else {}
+    value = extra.get(key, "") if isinstance(extra, dict) else ""
+    return value if isinstance(value, str) else ""
+
+
+def failure_summary(error: ChildFailedError, postmortem: str | None = None,
+                    traceback_lines: int = 10, message_lines: int = 8) -> str:
+    """Which rank failed first, with what, where in the user's code, what the doctor
+    found (the failing rank's diagnosis, else ``postmortem``: what the ranks' last calls
+    say), and what happened to the others. Ranks that failed with the same error are
+    named together and the error is shown once."""
     rank, first = first_failure(error)
+    message = _error_message(first).strip()
+    same = sorted(r for r, f in error.failures.items()
+                  if not _stopped_by_launcher(f) and _error_message(f).strip() == message)
     lines = ["", "=" * 72,
              f"modelparallel run: rank {rank} (local rank {first.local_rank}) failed first "
              f"with {_describe_exit(exit_code(first))}"]
-    message = _error_message(first)
-    callstack = ""
-    if isinstance(first.error_file_data, dict):
-        msg = first.error_file_data.get("message")
-        if isinstance(msg, dict):
-            callstack = msg.get("extraInfo", {}).get("py_callstack", "")
-    if message:
-        lines.append(f"  error: {message.strip().splitlines()[-1] if message.strip() else ''}")
-    if callstack:
+    if len(same) > 1:
+        lines.append(f"  the same error on rank(s) {', '.join(map(str, same))}")
+    diagnosis = _extra(first, "diagnosis") or postmortem
+    if diagnosis:
+        lines += [f"  {line}" for line in diagnosis.splitlines()]
+    if message and not message.startswith("DoctorVerdict"):  # the diagnosis says it
+        shown = message.splitlines()
+        cut = len(shown) > message_lines
+        lines += [f"  {'error: ' if i == 0 else '  '}{line}"
+                  for i, line in enumerate(shown[:message_lines])]
+        if cut:
+            lines.append("    ...")
+    user_site = _extra(first, "user_site")
+    if user_site:
+        lines.append(f"  in your code: {user_site}")
+    callstack = _extra(first, "py_callstack")
+    if callstack and not diagnosis and not user_site:
         tail = callstack.rstrip().splitlines()[-traceback_lines:]
         lines += ["  traceback (last lines):", *(f"    {line}" for line in tail)]
-    others = sorted(r for r in error.failures if r != rank)
+    others = sorted(r for r in error.failures if r != rank and r not in same)
     failed = [r for r in others if not _stopped_by_launcher(error.failures[r])]
     stopped = [r for r in others if _stopped_by_launcher(error.failures[r])]
     if failed:
         lines.append(f"  also failed: rank(s) {', '.join(map(str, failed))}")
     if stopped:
         lines.append(f"  stopped by the launcher: rank(s) {', '.join(map(str, stopped))}")
+    if callstack and (diagnosis or user_site) and first.error_file and \
+            Path(first.error_file).is_file():
+        lines.append(f"  full traceback: {first.error_file}")
     lines.append("=" * 72)
     return "\n".join(lines)
 

@@ -15,10 +15,13 @@ import os
 import re
 import runpy
 import sys
+import threading
 import time
 import traceback
 
 import modelparallel_compat
+from modelparallel.doctor import start_from_environment
+from modelparallel.doctor.frames import is_user_file
 from modelparallel.launch.lifeline import follow_parent
 
 # What a collective that waited too long raises: gloo's RuntimeError ("Timed out waiting
@@ -64,15 +67,38 @@ def timeout_hint() -> str:
             f"between collectives is just slow")
 
 
-def write_error_file(error: BaseException, formatted: str) -> None:
+def write_error_file(message: str, formatted: str, user_site: str | None = None,
+                     diagnosis: str | None = None) -> None:
+    """What the launcher's summary reads: the error line, the traceback, the innermost
+    line of the user's code and the doctor's diagnosis."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": f"{type(error).__name__}: {error}",
-                        "extraInfo": {"py_callstack": formatted,
-                                      "timestamp": str(int(time.time()))}}}
+    info = {"py_callstack": formatted, "timestamp": str(int(time.time()))}
+    if user_site:
+        info["user_site"] = user_site
+    if diagnosis:
+        info["diagnosis"] = diagnosis
     with open(path, "w") as f:
-        json.dump(data, f)
+        json.dump({"message": {"message": message, "extraInfo": info}}, f)
+
+
+def innermost_user_line(error: BaseException) -> str | None:
+    """``file:line: source`` of the innermost frame of the user's own code."""
+    found = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        if is_user_file(frame.filename):
+            found = f"{frame.filename}:{frame.lineno}" + (f": {frame.line}" if frame.line else "")
+    return found
+
+
+def end_with_verdict(diagnosis: str) -> None:
+    """The doctor found a fault (watchdog thread): record it and end this rank; the
+    launcher stops the others and prints the diagnosis."""
+    write_error_file("DoctorVerdict: " + diagnosis.splitlines()[0], "", None, diagnosis)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def check_instance_order() -> None:
@@ -94,35 +120,59 @@ def main() -> None:
     script = os.path.abspath(sys.argv[1])
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(script))
+    doctor = None
     try:
         check_instance_order()
         # MODELPARALLEL_COMPAT (modelparallel run --compat): also without the .pth file
         modelparallel_compat.install_from_environment()
+        doctor = start_from_environment(end_with_verdict)
         runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         if done.code not in (None, 0):
             raise
     except BaseException as error:
-        if is_collective_timeout(error):  # a note prints after the error line
-            error.add_note(timeout_hint())
+        timed_out = is_collective_timeout(error)
+        diagnosis, user_line = None, innermost_user_line(error)
+        if doctor is not None and (timed_out or _distributed_error(error)):
+            diagnosis = doctor.explain(timed_out, user_line and user_line.split(": ", 1)[0])
+        if timed_out:  # after the error line, or the diagnosis's last line
+            if diagnosis is None:
+                error.add_note(timeout_hint())
+            else:
+                diagnosis += "\n" + timeout_hint()
         formatted = "".join(traceback.format_exception(
             type(error), error, _user_frames(error, script)))
-        sys.stderr.write(formatted)
-        sys.stderr.flush()
-        write_error_file(error, formatted)
-        sys.exit(1)
-    _exit_after_success()
+        # the launcher prints it once for all ranks (its summary); the worker's log keeps
+        # the whole traceback
+        write_error_file(f"{type(error).__name__}: {error}", formatted, user_line, diagnosis)
+        if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            sys.stderr.write(formatted)
+        _exit(1)
+    if doctor is not None:
+        doctor.finish()
+    _exit(0)
 
 
-def _exit_after_success() -> None:
-    """End a script that succeeded without running C++ destructors: at interpreter exit,
-    gloo's threads of a process group still open are sometimes destroyed while joinable
-    ("terminate called without an active exception", SIGABRT), and a run that succeeded
-    would fail. The script's atexit handlers run, and the output is flushed, first."""
-    atexit._run_exitfuncs()
+def _distributed_error(error: BaseException) -> bool:
+    """An error a backend raised (a peer went away, sizes did not match, ...)."""
+    backend_error = getattr(sys.modules.get("torch.distributed"), "DistBackendError", ())
+    return isinstance(error, backend_error) or "gloo" in str(error).lower() or \
+        "nccl" in str(error).lower()
+
+
+def _exit(code: int, atexit_wait: float = 10.0) -> None:
+    """End the worker without running C++ destructors: at interpreter exit, gloo's
+    threads of a process group still open are sometimes destroyed while joinable
+    ("terminate called without an active exception", SIGABRT), so a run that succeeded
+    would fail; and after a failure, destroying a group whose peer is stalled waits for
+    that peer. The script's atexit handlers run first (for at most ``atexit_wait``
+    seconds: one may itself wait on a peer), and the output is flushed."""
+    handlers = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
+    handlers.start()
+    handlers.join(atexit_wait)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

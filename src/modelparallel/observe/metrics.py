@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from modelparallel.context import ParallelContext
+from modelparallel.observe import run_output
 from modelparallel.observe.collectives import CollectiveCounter
 from modelparallel.topology import CommGroup
 
@@ -65,22 +65,37 @@ class StepMetrics:
 
     ``samples``/``tokens`` are the counts the whole job processes in the step.
     Collective bytes are counted while the step body runs (``count_collectives``).
-    In a training job, ``jsonl`` defaults to the job's metrics file (``MP_METRICS_FILE``),
-    so the job store records every step.
+
+    Under ``modelparallel run`` (or in a training job) rank 0 writes into the run
+    directory (``MP_RUN_DIR``): ``metrics.jsonl``, ``layout.json`` and TensorBoard
+    events (``tensorboard``: None = when the package is installed, True = required,
+    False = none); see ``modelparallel.observe.run_output``. ``run_dir=`` names one
+    under plain ``python``, where nothing is written otherwise. ``jsonl=`` (or a job's
+    ``MP_METRICS_FILE``) gets the lines too. ``total_steps=N`` shows a progress bar with
+    an ETA on a terminal, and adds ``| 25/300 8% ETA 01:52`` to the printed lines
+    elsewhere. ``close()`` ends the bar and flushes the events (also done at exit).
     """
 
     def __init__(self, *, jsonl: str | Path | None = None, print_every: int = 1,
                  count_collectives: bool = True, printer: Callable[[str], None] | None = None,
-                 context: ParallelContext | None = None):
+                 context: ParallelContext | None = None, total_steps: int | None = None,
+                 run_dir: str | Path | None = None, tensorboard: bool | None = None):
         # inside a training job, the job records the steps too (MP_METRICS_FILE)
-        jsonl = jsonl or os.environ.get("MP_METRICS_FILE")
+        jsonl = jsonl or os.environ.get(run_output.METRICS_FILE)
         self.jsonl = Path(jsonl) if jsonl else None
+        self.run_dir = Path(run_dir) if run_dir else run_output.run_dir_from_env()
+        if total_steps is not None and total_steps < 1:
+            raise ValueError(f"total_steps must be at least 1, not {total_steps}")
+        self.total_steps = total_steps
+        self.tensorboard = tensorboard
         self.print_every = print_every
         self.count_collectives = count_collectives
+        self._printer = printer
         self.printer = printer or (lambda line: print(line, file=sys.stdout, flush=True))
         self.records: list[StepRecord] = []
         self._step = 0
         self.context = context
+        self._output: run_output.RunOutput | None = None  # rank 0's, made at the first step
 
     def _context(self) -> ParallelContext:
         """The layout whose data-parallel ranks the loss is averaged over."""
@@ -125,12 +140,17 @@ class StepMetrics:
             rec.loss = _mean_over_data_parallel(rec.loss, ctx)
         self.records.append(rec)
         if ctx.rank == 0:
-            if rec.step % self.print_every == 0 or rec.step == 1:
-                self.printer(rec.format())
-            if self.jsonl is not None:
-                self.jsonl.parent.mkdir(parents=True, exist_ok=True)
-                with self.jsonl.open("a") as f:
-                    f.write(json.dumps(asdict(rec)) + "\n")
+            if self._output is None:
+                self._output = run_output.RunOutput(
+                    ctx, jsonl=self.jsonl, run_dir=self.run_dir, tensorboard=self.tensorboard,
+                    total_steps=self.total_steps, print_every=self.print_every,
+                    printer=self._printer)
+            self._output.write(rec)
+
+    def close(self) -> None:
+        """End the progress bar and flush the TensorBoard events (also done at exit)."""
+        if self._output is not None:
+            self._output.close()
 
 
 def _mean_over_data_parallel(loss: Any, ctx: ParallelContext) -> float:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from modelparallel.observe.run_output import write_schedule
 from modelparallel.parallel.pipeline.engine import PipelineEngine
 from modelparallel.parallel.pipeline.layout import PARTITION_ATTR
 from modelparallel.parallel.pipeline.record import ScheduleRecording, gather_events
@@ -207,7 +208,9 @@ class DistributedModel(V1ModelMethods, nn.Module):
         ``rec.events`` (forward/backward of which stage and microbatch, start and end),
         ``rec.grid()`` (the rank x time grid as text), ``rec.bubble`` (measured idle
         share) and ``rec.theoretical`` hold every pipeline rank's record. Enter it on
-        every rank of the pipeline: leaving it gathers the records.
+        every rank of the pipeline: leaving it gathers the records. Under
+        ``modelparallel run``, rank 0 also appends it to ``schedule.json`` in the run
+        directory, and the run's report.html draws the last one recorded.
         """
         c = self.engine.ctx.config
         recording = ScheduleRecording(self.pipeline_degree, c.microbatches, c.stages_per_rank)
@@ -218,6 +221,8 @@ class DistributedModel(V1ModelMethods, nn.Module):
         finally:
             self.engine.events = None
         recording.events = gather_events(events, group=self.pipeline_group())
+        # under modelparallel run, rank 0 keeps it for the run's report (schedule.json)
+        write_schedule(recording, self.engine.ctx.rank)
 
     def display_partition(self) -> str:
         """The stages, their layers and cost shares, as text (also printed by rank 0)."""

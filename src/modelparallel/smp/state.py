@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -135,7 +136,10 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     cfg = _with_overrides(Config.load(config), state.take_degree_overrides())
     world_size = dist.get_world_size() if dist.is_initialized() else \
         int(os.environ.get("WORLD_SIZE", "1"))
-    topology = Topology.from_config(cfg, world_size)  # validates against the world size
+    try:
+        topology = Topology.from_config(cfg, world_size)  # validates against the world size
+    except ConfigError as error:
+        raise _with_launch_hint(error, cfg, world_size) from None
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(cfg, local_rank)
@@ -284,3 +288,26 @@ def reset() -> None:
 def is_initialized() -> bool:
     """Whether ``init()`` ran (SMP v1 and v2: ``smp.is_initialized()``)."""
     return state.initialized
+
+
+def _with_launch_hint(error: ConfigError, cfg: Config, world_size: int) -> ConfigError:
+    """A script that needs several processes, started alone with plain ``python``: say
+    how to launch it."""
+    if world_size != 1 or "RANK" in os.environ:
+        return error
+    needed = next((n for n in range(2, 4097) if _fits(cfg, n)), None)
+    if needed is None:
+        return error
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+    return ConfigError([*error.problems, (
+        "launch", f"this is one process started without a launcher; the configuration "
+                  f"needs {needed} (or a multiple): run `modelparallel run "
+                  f"--nproc-per-node {needed} {script}`")])
+
+
+def _fits(cfg: Config, world_size: int) -> bool:
+    try:
+        cfg.validate_world(world_size)
+    except ConfigError:
+        return False
+    return True

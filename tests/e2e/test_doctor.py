@@ -1,0 +1,78 @@
+"""The doctor on ten injected faults (tests/e2e/faults/faults.py, 3 ranks, rank 1 at
+fault): each run ends, the summary names the right rank and the right lines, and no
+process is left behind. The time bound is generous (behaviour, not speed): hangs end
+within collective_timeout (20 s) + 60 s once the ranks are up."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+FAULTS = Path(__file__).parent / "faults" / "faults.py"
+TIMEOUT = 20
+
+
+def markers_in(kind: str) -> dict[str, int]:
+    """The markers of one fault's function."""
+    text = FAULTS.read_text().splitlines()
+    start = next(i for i, t in enumerate(text) if t.startswith(f"def {kind}("))
+    out = {}
+    for number in range(start + 1, len(text)):
+        if text[number].startswith("def "):
+            break
+        if m := re.search(r"# <- (\w+)", text[number]):
+            out[m.group(1)] = number + 1
+    return out
+
+
+EXPECTED = {  # the phrases each fault's summary must hold; ``at[marker]`` is file:line
+    "stall_in_user_code": lambda at: [
+        "collective timeout: rank 0 waited", f"all_reduce(4, float32) at {at['wait']}",
+        f"rank 1 did not arrive: it is at {at['stall']}"],
+    "stall_in_library_collective": lambda at: [
+        "collective timeout on rank", f"rank 1 did not arrive: it is at {at['stall']}"],
+    "skipped_collective": lambda at: [
+        "but rank 1 finished after", "first difference: call #", at["skipped"], at["wait"]],
+    "extra_collective": lambda at: [
+        "rank 1 waits in collective #", "but ranks 0, 2 finished after", at["extra"]],
+    "shape_mismatch": lambda at: [
+        "ranks diverged", "ranks 0, 2: all_reduce(4, float32)",
+        f"rank 1: all_reduce(2, float32) at {at['mismatch']} <- diverged"],
+    "dtype_mismatch": lambda at: [
+        "ranks diverged", f"rank 1: all_reduce(4, float64) at {at['mismatch']} <- diverged"],
+    "wrong_group": lambda at: [
+        "deadlock: each of these ranks waits for the next", "rank 1 waits for rank",
+        f"all_reduce(4, float32) at {at['mismatch']}"],
+    "exception_on_one_rank": lambda at: [
+        "rank 1 (local rank 1) failed first with exit code 1",
+        "ValueError: rank 1 cannot go on", f"in your code: {at['raise']}"],
+    "killed_rank": lambda at: ["rank 1 (local rank 1) failed first with signal SIGKILL"],
+    "point_to_point_deadlock": lambda at: [
+        "deadlock",
+        f"rank 0 waits for rank 1 in recv(4, float32) from rank 1 at {at['recv']}",
+        f"rank 1 waits for rank 0 in recv(4, float32) from rank 0 at {at['recv']}"],
+}
+
+
+def expected(kind: str, path: str) -> list[str]:
+    return EXPECTED[kind]({k: f"{path}:{n}" for k, n in markers_in(kind).items()})
+
+
+KINDS = list(EXPECTED)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_doctor_names_the_rank_and_the_line(modelparallel, tmp_path, kind):
+    script = tmp_path / "faults.py"
+    shutil.copy(FAULTS, script)
+    ran = modelparallel("run", "--nproc-per-node", 3, script, kind, timeout=400)
+    assert ran.code != 0, ran.all
+    summary = ran.err[ran.err.rindex("=" * 72, 0, ran.err.rindex("=" * 72)):]
+    for phrase in expected(kind, str(script)):
+        assert phrase in summary, f"{phrase!r} not in:\n{summary}"
+    assert len(summary.splitlines()) <= 25, summary
+    assert ran.seconds < TIMEOUT + 60 + 90, ran.seconds  # + start-up of 3 ranks, loaded
+    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
+    assert left.stdout == "", f"processes left behind: {left.stdout}"
