@@ -17,7 +17,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from modelparallel.launch.run import failure_summary, first_failure
 from modelparallel.launch.worker import is_collective_timeout, timeout_hint
 
-HINT = "hint: a collective waited longer than collective_timeout=5s"
 # What gloo (torch 2.13) raised in these runs
 GLOO_RECV_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
                      "unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to "
@@ -33,38 +32,6 @@ GLOO_PEER_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/p
 
 def summary_of(ran) -> str:
     return ran.err[ran.err.index("modelparallel run: rank"):]
-
-
-@pytest.mark.timeout(180)
-def test_a_rank_that_never_joins_ends_the_run_with_a_hint(modelparallel, script):
-    """Rank 1 sleeps instead of joining; rank 0's collective fails after
-    collective_timeout, and the launcher stops rank 1."""
-    path = script("""
-        import time
-        import torch
-        import torch.distributed as dist
-        import modelparallel as mp
-        mp.init({"collective_timeout": 5})
-        dist.all_reduce(torch.ones(1))  # both ranks: the group works
-        if mp.rank() == 1:
-            time.sleep(600)
-        print("waiting since", time.time(), flush=True)
-        dist.all_reduce(torch.ones(1))
-    """)
-    ran = modelparallel("run", "--nproc-per-node", 2, path, timeout=150)
-    ended = time.time()
-    assert ran.code == 1, ran.all
-    # Start-up time varies with the machine's load; the wait itself must stay short.
-    waited = ended - float(re.search(r"\[rank0\]: waiting since ([\d.]+)", ran.out).group(1))
-    assert waited < 60, f"the run ended {waited:.0f}s after rank 0 began to wait"
-    assert ran.seconds < 120, f"took {ran.seconds:.0f}s, rank 1 sleeps 600s"
-    summary = summary_of(ran)
-    assert "rank 0 (local rank 0) failed first with exit code 1" in summary, summary
-    assert re.search(r"error: RuntimeError: .*Timed out waiting 5000ms", summary), summary
-    assert HINT in summary, summary
-    assert "stopped by the launcher: rank(s) 1" in summary
-    assert "rank 1 did not arrive: it is at " in summary, summary  # the doctor's line
-    print(f"ended {waited:.1f}s after the wait began, {ran.seconds:.1f}s after launch")
 
 
 @pytest.mark.timeout(180)

@@ -1,6 +1,7 @@
 """Every ``torch.distributed`` collective and point-to-point call, recorded per process:
 its sequence number on its group, a fingerprint (operation, shape, dtype) and the
-user's line that made it.
+user's line that made it. Calls from other threads (a background checkpoint writer's)
+are not recorded.
 
 The record is what the other ranks compare (``diagnose``): two ranks whose calls with
 the same number on the same group differ have diverged. The calls are wrapped where
@@ -111,9 +112,12 @@ class Recorder:
         peer_arg = _PEER_ARG.get(name)
         peer_at = params.index(peer_arg) if peer_arg in params else None
 
+        main = threading.main_thread().ident
+
         @functools.wraps(original)
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            if getattr(self._local, "inside", False):
+            # the main thread's calls only: the stacks the doctor reads are its too
+            if threading.get_ident() != main or getattr(self._local, "inside", False):
                 return original(*args, **kwargs)
             group = kwargs.get("group", args[group_at] if group_at is not None
                                and len(args) > group_at else None)

@@ -92,6 +92,24 @@ def innermost_user_line(error: BaseException) -> str | None:
     return found
 
 
+def out_of_memory_report(error: BaseException) -> str | None:
+    """For a CUDA out-of-memory error: this rank, its device and what torch held there."""
+    torch = sys.modules.get("torch")
+    oom = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+    if torch is None or oom is None or not isinstance(error, oom):
+        return None
+    rank = os.environ.get("RANK", "0")
+    device = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(device)
+    asked = re.search(r"Tried to allocate ([\d.]+ \w+)", str(error))
+    gib = 2 ** 30
+    return (f"rank {rank} ran out of GPU memory on cuda:{device}"
+            f"{f' asking for {asked.group(1)}' if asked else ''}: torch held "
+            f"{torch.cuda.memory_allocated(device) / gib:.2f} GiB in tensors, "
+            f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB reserved; "
+            f"{free / gib:.2f} of {total / gib:.2f} GiB free on the device")
+
+
 def end_with_verdict(diagnosis: str) -> None:
     """The doctor found a fault (watchdog thread): record it and end this rank; the
     launcher stops the others and prints the diagnosis."""
@@ -135,6 +153,7 @@ def main() -> None:
         diagnosis, user_line = None, innermost_user_line(error)
         if doctor is not None and (timed_out or _distributed_error(error)):
             diagnosis = doctor.explain(timed_out, user_line and user_line.split(": ", 1)[0])
+        diagnosis = diagnosis or out_of_memory_report(error)
         if timed_out:  # after the error line, or the diagnosis's last line
             if diagnosis is None:
                 error.add_note(timeout_hint())

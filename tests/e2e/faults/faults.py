@@ -1,6 +1,7 @@
-"""Faults injected into a 3-rank run (tests/e2e/test_doctor.py): ``python faults.py KIND``
-under ``modelparallel run --nproc-per-node 3``. Rank 1 is the one that misbehaves; the
-lines the doctor must name carry a ``# <-`` marker the test looks up."""
+"""Faults injected into a run (tests/e2e/test_doctor.py): ``python faults.py KIND TIMEOUT``
+under ``modelparallel run --nproc-per-node 2`` (3 where a majority names the rank that
+diverged). Rank 1 is the one that misbehaves; the lines the doctor must name carry a
+``# <-`` marker the test looks up."""
 
 import os
 import signal
@@ -12,8 +13,8 @@ import torch.distributed as dist
 
 import modelparallel as mp
 
-kind = sys.argv[1]
-mp.init({"collective_timeout": 20})  # start-up on a loaded machine fits in it
+kind, timeout = sys.argv[1], float(sys.argv[2])
+mp.init({"collective_timeout": timeout})  # also bounds the ranks' start-up skew
 rank = dist.get_rank()
 x = torch.ones(4)
 dist.barrier()  # everyone is up before the fault
@@ -55,7 +56,7 @@ def dtype_mismatch():
 
 
 def wrong_group():
-    other = dist.new_group([0, 1, 2])  # the same ranks, another group
+    other = dist.new_group(list(range(dist.get_world_size())))  # same ranks, another group
     dist.all_reduce(x, group=other if rank == 1 else None)  # <- mismatch
 
 
