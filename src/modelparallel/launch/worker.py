@@ -179,16 +179,19 @@ def _distributed_error(error: BaseException) -> bool:
         "nccl" in str(error).lower()
 
 
-def _exit(code: int, atexit_wait: float = 10.0) -> None:
+def _exit(code: int) -> None:
     """End the worker without running C++ destructors: at interpreter exit, gloo's
     threads of a process group still open are sometimes destroyed while joinable
     ("terminate called without an active exception", SIGABRT), so a run that succeeded
     would fail; and after a failure, destroying a group whose peer is stalled waits for
-    that peer. The script's atexit handlers run first (for at most ``atexit_wait``
+    that peer. The script's atexit handlers run first (after a failure for at most 10
     seconds: one may itself wait on a peer), and the output is flushed."""
-    handlers = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
-    handlers.start()
-    handlers.join(atexit_wait)
+    if code == 0:
+        atexit._run_exitfuncs()
+    else:
+        handlers = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
+        handlers.start()
+        handlers.join(10.0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
