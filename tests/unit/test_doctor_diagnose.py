@@ -81,3 +81,17 @@ def test_a_rank_past_the_call_arrived_even_when_its_record_is_gone():
               {**state(1, current=call(9, group="7", ranks=(0, 1))), "seqs": {"0": 5}},
               state(2, [call(2)])]
     assert diagnose.cycle(states) is None
+
+
+def test_a_rank_that_finished_after_making_the_call_is_no_fault():
+    slow = state(0, [call(1)], call(2))
+    done = {**state(1, [call(1), call(2)], done=True), "seqs": {"0": 2}}
+    assert diagnose.finished_early([slow, done], me=0) is None
+
+
+def test_all_to_all_shapes_may_differ_by_design():
+    states = [state(0, [call(1, op="all_to_all_single", shape="6")]),
+              state(1, [call(1, op="all_to_all_single", shape="2")])]
+    assert diagnose.divergence(states) is None
+    states[1]["recent"][0]["dtype"] = "float64"
+    assert "diverged" in diagnose.divergence(states)

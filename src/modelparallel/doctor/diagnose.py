@@ -39,6 +39,15 @@ def _group(call: dict[str, Any]) -> str:
     return f"group {call['group']} (ranks {', '.join(map(str, call.get('ranks') or []))})"
 
 
+# all-to-all exchanges may send each rank a different amount: their shapes differ by design
+_ANY_SHAPE = ("all_to_all", "all_to_all_single")
+
+
+def _fingerprint(call: dict[str, Any]) -> tuple[str, str, str]:
+    shape = "" if call["op"] in _ANY_SHAPE else call["shape"]
+    return call["op"], shape, call["dtype"]
+
+
 def divergence(states: list[State]) -> str | None:
     """The first call number on a group where ranks called different operations, shapes
     or dtypes. The ranks outside the largest agreeing set are named as diverging."""
@@ -49,7 +58,7 @@ def divergence(states: list[State]) -> str | None:
                 continue  # point-to-point calls differ by design (a send meets a recv)
             by_key[(call["group"], call["seq"])][state["rank"]] = call
     for (_, seq), calls in sorted(by_key.items(), key=lambda item: item[1][min(item[1])]["start"]):
-        prints = Counter((c["op"], c["shape"], c["dtype"]) for c in calls.values())
+        prints = Counter(_fingerprint(c) for c in calls.values())
         if len(prints) < 2:
             continue
         (majority, count), = prints.most_common(1)
@@ -57,8 +66,7 @@ def divergence(states: list[State]) -> str | None:
         lines = [f"ranks diverged: collective #{seq} on {_group(next(iter(calls.values())))} "
                  "is not the same call on every rank"]
         for fingerprint, _ in prints.most_common():
-            ranks = sorted(r for r, c in calls.items() if (c["op"], c["shape"], c["dtype"])
-                           == fingerprint)
+            ranks = sorted(r for r, c in calls.items() if _fingerprint(c) == fingerprint)
             role = "" if tie else (" (the others)" if fingerprint == majority
                                    else " <- diverged")
             lines.append(f"  {_ranks(ranks)}: {_describe(calls[ranks[0]])}{role}")
@@ -75,7 +83,7 @@ def finished_early(states: list[State], me: int) -> str | None:
     if call is None:
         return None
     done = [s for s in states if s.get("done") and s["rank"] in call["ranks"]
-            and s["rank"] != me]
+            and s["rank"] != me and not _arrived(s, call)]
     if not done:
         return None
     made = {s["rank"]: max((c["seq"] for c in _calls(s) if c["group"] == call["group"]),
