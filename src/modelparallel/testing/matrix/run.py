@@ -242,7 +242,8 @@ def _launch_nodes(cases: list[Case], timeout_s: float,
                 agents.append(subprocess.Popen(
                     [sys.executable, "-m", "modelparallel", "run", "--nnodes", "2",
                      "--node-rank", str(node), "--nproc-per-node", "2", "--rdzv-endpoint",
-                     f"127.0.0.1:{port}", str(driver), str(spec), tmp, str(max_gloo_groups)],
+                     f"127.0.0.1:{port}", "--run-dir", str(Path(tmp, f"run{node}")),
+                     str(driver), str(spec), tmp, str(max_gloo_groups)],
                     env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         try:
             _wait_agents(agents, deadline=start + timeout_s)
