@@ -114,6 +114,8 @@ def end_with_verdict(diagnosis: str) -> None:
     """The doctor found a fault (watchdog thread): record it and end this rank; the
     launcher stops the others and prints the diagnosis."""
     write_error_file("DoctorVerdict: " + diagnosis.splitlines()[0], "", None, diagnosis)
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):  # no launcher summary to print it
+        sys.stderr.write(diagnosis + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(1)
