@@ -29,11 +29,17 @@ FOLDER = "MP_DOCTOR_DIR"  # where each rank keeps its last call (set by the laun
 DEFAULT_TIMEOUT = 600.0
 
 
-def collective_timeout() -> float:
-    """The configured ``collective_timeout`` once ``mp.init`` ran, else the default."""
+def configured_timeout() -> float | None:
+    """The ``collective_timeout`` ``mp.init`` configured in this process, if it ran."""
     state_module = sys.modules.get("modelparallel.smp.state")  # never import it for this
     config = getattr(getattr(state_module, "state", None), "config", None)
-    return float(getattr(config, "collective_timeout", DEFAULT_TIMEOUT))
+    return None if config is None else float(config.collective_timeout)
+
+
+def collective_timeout() -> float:
+    """The configured ``collective_timeout`` once ``mp.init`` ran, else the default."""
+    configured = configured_timeout()
+    return DEFAULT_TIMEOUT if configured is None else configured
 
 
 def start_from_environment(on_verdict: Callable[[str], None]) -> Doctor | None:
@@ -71,5 +77,5 @@ def postmortem(folder: str | os.PathLike) -> str | None:
     return diagnose.divergence(states)
 
 
-__all__ = ["FOLDER", "SWITCH", "Doctor", "collective_timeout", "postmortem",
+__all__ = ["FOLDER", "SWITCH", "Doctor", "collective_timeout", "configured_timeout", "postmortem",
            "start_from_environment"]

@@ -20,7 +20,7 @@ import time
 import traceback
 
 import modelparallel_compat
-from modelparallel.doctor import start_from_environment
+from modelparallel.doctor import configured_timeout, start_from_environment
 from modelparallel.doctor.frames import is_user_file
 from modelparallel.launch.lifeline import follow_parent
 
@@ -57,10 +57,9 @@ def is_collective_timeout(error: BaseException | None) -> bool:
 def timeout_hint() -> str:
     """What to do about a collective timeout, with the configured timeout if known."""
     setting = "collective_timeout"
-    state_module = sys.modules.get("modelparallel.smp.state")  # never import torch just for this
-    config = getattr(getattr(state_module, "state", None), "config", None)
-    if config is not None:
-        setting += f"={config.collective_timeout:g}s"
+    configured = configured_timeout()
+    if configured is not None:
+        setting += f"={configured:g}s"
     return (f"hint: a collective waited longer than {setting}: another rank failed, was "
             f"killed, or did not call the same collective; the launcher names the rank "
             f"that failed first; raise collective_timeout in the config if the work "
