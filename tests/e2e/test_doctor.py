@@ -68,13 +68,20 @@ def expected(kind: str, path: str) -> list[str]:
 KINDS = list(EXPECTED)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_doctor_names_the_rank_and_the_line(modelparallel, tmp_path, kind):
+CASES = [(kind, 0) for kind in KINDS] + [("wrong_group", 1)]
+
+
+@pytest.mark.parametrize(("kind", "restarts"), CASES)
+def test_the_doctor_names_the_rank_and_the_line(modelparallel, tmp_path, kind, restarts):
+    """``restarts`` 1: the launcher does not share its store with the ranks (the doctor
+    uses the one rank 0 hosts), and the fault comes back after the restart."""
     script = tmp_path / "faults.py"
     shutil.copy(FAULTS, script)
     timeout = STALL_TIMEOUT if kind.startswith("stall") else TIMEOUT
     nproc = 3 if kind in THREE_RANKS else 2
-    ran = modelparallel("run", "--nproc-per-node", nproc, script, kind, timeout, timeout=400)
+    ran = modelparallel("run", "--nproc-per-node", nproc, "--max-restarts", restarts, script,
+                        kind, timeout, timeout=400)
+    assert "doctor is off" not in ran.err, ran.err
     assert ran.code != 0, ran.all
     summary = ran.err[ran.err.rindex("=" * 72, 0, ran.err.rindex("=" * 72)):]
     for phrase in expected(kind, str(script)):

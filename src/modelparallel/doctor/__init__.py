@@ -14,7 +14,6 @@ measured by ``bench/doctor_overhead.py``).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -47,12 +46,7 @@ def start_from_environment(on_verdict: Callable[[str], None]) -> Doctor | None:
     unless ``MP_DOCTOR=0``); None otherwise."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
-    try:
-        board = Board.from_environment()
-    except Exception as error:  # no store to reach: the run goes on without the doctor
-        logging.getLogger("modelparallel").warning(
-            "modelparallel doctor is off for this rank: %s (MP_DOCTOR=0 silences this)", error)
-        return None
+    board = Board.from_environment()
     if board is None:
         return None
     doctor = Doctor(board, on_verdict, collective_timeout)

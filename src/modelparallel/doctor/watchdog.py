@@ -40,12 +40,13 @@ class Doctor:
         self._answered = 0
         self._published: tuple[int, bool, bool] | None = None
         self._checked_at = 0.0
+        self._connecting = threading.Lock()
+        self._board_failed = False
         self._thread = threading.Thread(target=self._run, name="modelparallel-doctor",
                                         daemon=True)
 
     def start(self) -> None:
         self.recorder.install()
-        self._publish(force=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -56,7 +57,8 @@ class Doctor:
         """The script ended normally: tell the others (a rank waiting for this one
         learns it will never come)."""
         self.done = True
-        self._publish(force=True)
+        if self._connected():  # a rank that ended before its watchdog connected
+            self._publish(force=True)
         self.stop()
 
     def state(self) -> dict[str, Any]:
@@ -68,18 +70,40 @@ class Doctor:
                 "seqs": dict(self.recorder.seqs)}
 
     def _publish(self, force: bool = False) -> None:
+        if not self.board.connected:
+            return
         mark = (self.recorder.calls, self.recorder.current is None, self.done)
         if force or mark != self._published:
             self._published = mark
             self.board.publish(self.state())
 
     def _run(self) -> None:
+        while not self._connected():
+            if self._stop.wait(self.period) or self._board_failed:
+                return
+        self._publish(force=True)
         while not self._stop.wait(self.period):
             try:
                 self._tick()
             except Exception as error:  # the store is gone: the run is ending anyway
                 logger.debug("modelparallel doctor stopped: %s", error)
                 return
+
+    def _connected(self) -> bool:
+        """Connect the board once this rank's process group exists (either thread)."""
+        import torch.distributed as dist
+
+        with self._connecting:
+            if self.board.connected or self._board_failed or not dist.is_initialized():
+                return self.board.connected
+            try:
+                self.board.connect()
+            except Exception as error:
+                self._board_failed = True
+                logger.warning("modelparallel doctor is off for this rank: no store at %s:%s "
+                               "(%s; MP_DOCTOR=0 silences this)",
+                               self.board.host, self.board.port, error)
+            return self.board.connected
 
     def _tick(self) -> None:
         self._publish()
@@ -125,6 +149,8 @@ class Doctor:
         """After this rank's call failed (main thread, ``here`` the user's line it
         failed at): ranks that diverged, or, for a timeout, who did not arrive and
         where they are."""
+        if not self._connected():
+            return None
         failed = self.recorder.last_failed
         self.failed = failed.as_dict() if failed else None
         self.timed_out = timed_out
