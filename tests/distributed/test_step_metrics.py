@@ -65,11 +65,38 @@ def test_collective_bytes_match_theory(workers, tmp_path, config, kind, expected
     assert rec["samples"] == 32 and rec["step_time_s"] > 0
     assert rec["samples_per_s"] == pytest.approx(32 / rec["step_time_s"])
     assert rec["tokens_per_s"] == pytest.approx(256 / rec["step_time_s"])
-    assert rec["peak_memory_bytes"] > 0 and rec["memory_kind"] == "rss"
+    assert rec["peak_memory_bytes"] > 0 and rec["memory_kind"] == "tensors"
     printed = results[0]["printed"]
     assert len(printed) == 3 and printed[0].startswith("step     1 | loss ")
     assert "samples/s" in printed[0] and "comm " in printed[0]
     assert results[1]["printed"] == [], "only rank 0 prints"
+
+
+def tensor_memory_case():
+    mp.init({})
+    model = mp.shard(blocks_model())
+    metrics = mp.observe.StepMetrics(memory_steps=2, printer=lambda line: None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        with metrics.step(samples=8 * mp.size()):
+            opt.zero_grad()
+            model(torch.full((8, 64), float(mp.rank() + step))).pow(2).mean().backward()
+            opt.step()
+    local = [p.to_local() for p in model.parameters()] + \
+        [p.grad.to_local() for p in model.parameters()]
+    return [r.__dict__ for r in metrics.records], sum(t.numel() * t.element_size() for t in local)
+
+
+def test_cpu_peak_memory_is_the_measured_tensor_bytes(workers):
+    for records, params_and_grads in workers(2).run(tensor_memory_case):
+        first, second, third = records
+        assert first["memory_kind"] == second["memory_kind"] == "tensors"
+        assert first["peak_memory_bytes"] >= params_and_grads > 0
+        assert second["peak_memory_bytes"] >= params_and_grads
+        # the third step is not measured: it repeats the largest measured peak
+        assert third["memory_kind"] == "tensors, max of steps 1-2"
+        assert third["peak_memory_bytes"] == max(first["peak_memory_bytes"],
+                                                 second["peak_memory_bytes"])
 
 
 def functional_collective_case():

@@ -153,7 +153,7 @@ def test_tensorboard_events_hold_the_scalars(pipeline_run):
     for event in loader.EventFileLoader(str(events)).Load():
         for value in event.summary.value:
             tags.setdefault(value.tag, []).append(event.step)
-    assert {"loss", "step_time_ms", "throughput/samples_per_s", "memory/peak_rss_MiB",
+    assert {"loss", "step_time_ms", "throughput/samples_per_s", "memory/peak_tensors_MiB",
             "comm_MiB/pp"} <= set(tags)
     assert tags["loss"] == list(range(1, STEPS + 1))
 

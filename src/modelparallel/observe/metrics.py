@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from modelparallel.context import ParallelContext
 from modelparallel.observe import run_output
 from modelparallel.observe.collectives import CollectiveCounter
+from modelparallel.observe.tensor_memory import PeakTensorMemory
 from modelparallel.topology import CommGroup
 
 
@@ -33,7 +33,9 @@ class StepRecord:
     samples_per_s: float = 0.0
     tokens_per_s: float | None = None
     peak_memory_bytes: int = 0
-    memory_kind: str = "rss"  # "cuda": max allocated this step; "rss": process peak RSS
+    # "cuda": CUDA max allocated this step; "tensors": peak CPU tensor bytes this step
+    # (PeakTensorMemory); "tensors, max of steps 1-3": the largest of those measured
+    memory_kind: str = "tensors"
     comm_bytes: dict[str, float] = field(default_factory=dict)  # per group, this rank
     comm_calls: dict[str, int] = field(default_factory=dict)
 
@@ -74,12 +76,21 @@ class StepMetrics:
     ``MP_METRICS_FILE``) gets the lines too. ``total_steps=N`` shows a progress bar with
     an ETA on a terminal, and adds ``| 25/300 8% ETA 01:52`` to the printed lines
     elsewhere. ``close()`` ends the bar and flushes the events (also done at exit).
+
+    Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` of the step
+    (``memory_kind`` "cuda"). On CPU the peak bytes of tensor storage alive during the
+    step, measured with ``PeakTensorMemory`` (the profiler's allocator events): the
+    first ``memory_steps`` steps (default 3; None = every step) are measured and say
+    ``memory_kind`` "tensors"; profiling slows a step, so later steps are not measured
+    and report the largest measured peak, with ``memory_kind``
+    "tensors, max of steps 1-3".
     """
 
     def __init__(self, *, jsonl: str | Path | None = None, print_every: int = 1,
                  count_collectives: bool = True, printer: Callable[[str], None] | None = None,
                  context: ParallelContext | None = None, total_steps: int | None = None,
-                 run_dir: str | Path | None = None, tensorboard: bool | None = None):
+                 run_dir: str | Path | None = None, tensorboard: bool | None = None,
+                 memory_steps: int | None = 3):
         # inside a training job, the job records the steps too (MP_METRICS_FILE)
         jsonl = jsonl or os.environ.get(run_output.METRICS_FILE)
         self.jsonl = Path(jsonl) if jsonl else None
@@ -87,6 +98,10 @@ class StepMetrics:
         if total_steps is not None and total_steps < 1:
             raise ValueError(f"total_steps must be at least 1, not {total_steps}")
         self.total_steps = total_steps
+        if memory_steps is not None and memory_steps < 0:
+            raise ValueError(f"memory_steps must be at least 0, not {memory_steps}")
+        self.memory_steps = memory_steps
+        self._measured_peak: int | None = None  # the largest CPU tensor peak measured
         self.tensorboard = tensorboard
         self.print_every = print_every
         self.count_collectives = count_collectives
@@ -113,27 +128,36 @@ class StepMetrics:
         if cuda:
             torch.cuda.reset_peak_memory_stats(s.device)
         counter = CollectiveCounter(dict(s.group_labels or {})) if self.count_collectives else None
+        measure = not cuda and (self.memory_steps is None or self._step <= self.memory_steps)
+        memory = PeakTensorMemory() if measure else None
         start = time.perf_counter()
-        if counter is not None:
-            with counter:
+        with memory if memory is not None else nullcontext():
+            if counter is not None:
+                with counter:
+                    yield rec
+            else:
                 yield rec
-        else:
-            yield rec
         if cuda:
             torch.cuda.synchronize(s.device)
         rec.step_time_s = time.perf_counter() - start
-        self._finish(s, rec, counter, cuda)
+        if memory is not None:
+            self._measured_peak = max(self._measured_peak or 0, memory.peak_bytes)
+        self._finish(s, rec, counter, cuda, measured=memory)
 
     def _finish(self, ctx: ParallelContext, rec: StepRecord, counter: CollectiveCounter | None,
-                cuda: bool) -> None:
+                cuda: bool, measured: PeakTensorMemory | None) -> None:
         rec.samples_per_s = rec.samples / rec.step_time_s
         if rec.tokens is not None:
             rec.tokens_per_s = rec.tokens / rec.step_time_s
         if cuda:
             rec.peak_memory_bytes, rec.memory_kind = torch.cuda.max_memory_allocated(ctx.device), \
                 "cuda"
-        else:
-            rec.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        elif measured is not None:
+            rec.peak_memory_bytes, rec.memory_kind = measured.peak_bytes, "tensors"
+        else:  # steps after the measured ones
+            rec.peak_memory_bytes = self._measured_peak or 0
+            rec.memory_kind = f"tensors, max of steps 1-{self.memory_steps}" \
+                if self._measured_peak is not None else "none"
         if counter is not None:
             rec.comm_bytes, rec.comm_calls = dict(counter.bytes), dict(counter.calls)
         if rec.loss is not None:

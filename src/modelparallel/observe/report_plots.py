@@ -111,9 +111,11 @@ def memory_plot(series: Series) -> str | None:
     lines = _lines(series, "peak_memory_bytes", 1 / MiB)
     if not lines:
         return None
-    kinds = {r.get("memory_kind", "rss") for _, records in series for r in records}
+    kinds = {r.get("memory_kind", "rss").split(",")[0] for _, records in series for r in records}
     what = ("CUDA max allocated per step" if kinds == {"cuda"} else
-            "process peak RSS" if kinds == {"rss"} else "peak memory")
+            "process peak RSS" if kinds == {"rss"} else
+            "peak CPU tensor bytes of the measured steps" if kinds == {"tensors"} else
+            "peak memory")
     fig = _figure()
     ax = fig.add_subplot()
     _plot_lines(ax, lines, "MiB")
