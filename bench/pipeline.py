@@ -1,23 +1,42 @@
 """Benchmark: pipeline bubble measured vs ideal, and DistributedModel vs torch's schedules.
 
-    python bench/pipeline.py [--world-size 4] [--steps 30] [--records 5]
+    python bench/pipeline.py [--world-size 4] [--steps 30] [--records 7] [--cases simple:4 ...]
 
 Runs in real gloo processes on this machine (one pipeline rank per process, p =
 world size) and prints, as its last line, ratios measured in this one run:
 
-- bubble_<schedule>_m<m>: measured idle share of one recorded training step
-  (``model.record_schedule()``: 1 - busy / (p x span), busy = the forwards and
-  backwards each rank ran) over the ideal (p-1)/(v·m+p-1), v stages per rank, for
-  the SMP schedules "simple" (GPipe), "interleaved" (1F1B) and "interleaved_1f1b"
-  (v = 2) at m microbatches of one fixed batch (median of ``--records`` recorded
-  steps, after ``--warmup`` steps). The goal is close to 1: no idle time beyond the
-  schedule's ramp-up and ramp-down. Above 1 is time no ideal schedule has: on CPU
-  with gloo every activation and gradient crosses a socket, and torch's schedule
-  loop, our stage wrapper and the loss (computed between a microbatch's recorded
-  forward and backward) are Python work outside the recorded ops, a larger share the
-  smaller the microbatch; the formula also assumes equal stage times. The details
-  show the same split run by hand with torch's schedule class, recorded alike: what
-  torch + gloo reach here; the gap between that and ours is ours;
+- bubble_<schedule>_m<m>: measured idle share of one recorded training step over
+  the ideal, for the SMP schedules "simple" (GPipe), "interleaved" (1F1B) and
+  "interleaved_1f1b" (v = 2 stages per rank) at m microbatches of ``MICROBATCH``
+  sequences each (the batch grows with m, as a user who sizes the microbatch to the
+  device does; with a fixed batch the microbatch shrinks with m and the fixed cost
+  per message and per Python call is measured rather than the schedule); median of
+  ``--records`` recorded steps after ``--warmup`` steps. Measured:
+  ``model.record_schedule()``, 1 - busy / (p x span), busy = the union of the
+  forwards and backwards (torch's ``forward_one_chunk`` / ``backward_one_chunk``,
+  wall clock) each rank ran, span = first start to last end over all ranks. Ideal:
+  (p-1)/(v·m+p-1), exact for GPipe and 1F1B (v = 1) and interleaved 1F1B when every
+  stage's forward and backward take the same time and nothing happens between them.
+  The goal is close to 1. Above 1 is time no ideal schedule has, and each case prints
+  where it went: per rank, *busy*, *dependency wait* (idle until the neighbour's
+  forward or backward that this op needs had ended: the schedule's own bubble),
+  *latency+python* (idle after that: the gloo message crossing a socket and the
+  Python between ops -- torch's schedule loop, our stage wrapper, the loss, which runs
+  between a microbatch's recorded forward and backward) and *tail* (idle after the
+  rank's last op), and the bubble of the same ops replayed with every gap cut to its
+  dependency (``pipeline.breakdown``): above the ideal, that part comes from stages of
+  unequal cost. Busy is wall-clock time: when the machine has more runnable threads
+  than cores a rank's op is billed for the time it was preempted, so the measured
+  bubble falls (below the ideal even) and spreads; each case prints the 1-minute
+  load. The same split run by hand with torch's schedule class is recorded alike:
+  what torch + gloo reach here; the gap between that and ours is ours.
+  On this 2-core machine (p=2, load about 2.4, microbatches of 4 sequences): GPipe
+  m=4 24.4% measured for 20.0% ideal (1.22), 21.4% replayed without gaps (1.07: the
+  last stage, with the final norm and LM head, ran ~5% longer), gaps 4% of the span
+  (rank 1 ~1.2 ms per op: the activation's arrival and the loss; rank 0 0.4 ms);
+  by hand 25.3%. 1F1B m=4: 23.0% (1.15), replayed 20.7%; by hand 24.9%. At m=8
+  (2 sequences) the same ~1 ms gaps are 10% of the span (ratio 1.9 / 1.5); hence
+  the fixed microbatch. Figures under less load are in docs/pipeline.md;
 - pp_step_time: median step time of ``mp.DistributedModel`` + ``@mp.step`` (1F1B,
   m=4, the blocks placed with ``mp.set_partition`` into equal contiguous stages)
   over the same split driven by hand with ``PipelineStage`` + ``Schedule1F1B``
@@ -33,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import statistics
 import time
 
@@ -49,6 +69,7 @@ from torch.distributed.pipelining import (
 import modelparallel as mp
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
+from modelparallel.parallel.pipeline.breakdown import describe, ideal_span
 from modelparallel.parallel.pipeline.record import (
     ScheduleRecorder,
     bubble_fraction,
@@ -59,7 +80,8 @@ from modelparallel.smp import registry
 from modelparallel.testing import WorkerGroup
 
 MODEL = {"vocab_size": 256, "max_seq_len": 64, "d_model": 256, "n_layers": 8, "n_heads": 8}
-BATCH = 16  # sequences per step (the whole pipeline's batch), split into microbatches
+BATCH = 16  # sequences per step of the step-time case, split into microbatches
+MICROBATCH = 8  # sequences per microbatch of a bubble case (its batch: m x MICROBATCH)
 BUBBLE_CASES = [("simple", 2), ("simple", 4), ("simple", 8), ("interleaved", 4),
                 ("interleaved", 8), ("interleaved_1f1b", 4), ("interleaved_1f1b", 8)]
 GRIDS = {("simple", 4), ("interleaved", 8)}  # cases whose rank x time grid is printed
@@ -72,8 +94,8 @@ def _model() -> GPT:
     return GPT(GPTConfig(**MODEL))
 
 
-def _batch():
-    return lm_batch(MODEL["vocab_size"], MODEL["max_seq_len"], BATCH)
+def _batch(sequences: int = BATCH):
+    return lm_batch(MODEL["vocab_size"], MODEL["max_seq_len"], sequences)
 
 
 def _starts(stages: int) -> list[int]:
@@ -106,18 +128,24 @@ def _distributed_model(config: dict):
 
 
 def _check_split(model, stages: int) -> None:
+    """Each stage after the first starts at the block it was placed at (``split.starts``
+    index the traced units, embeddings included, not the blocks)."""
     split = model.engine.layout.split
-    expected = _starts(stages)
-    if split.starts != expected:
-        raise RuntimeError(f"split starts {split.starts}, placed {expected}")
+    got = [split.layers[i] for i in split.starts[1:]]
+    expected = [f"blocks.{b}" for b in _starts(stages)[1:]]
+    if got != expected:
+        raise RuntimeError(f"stages start at {got}, placed at {expected}")
 
 
 def _summary(events, theoretical: float, width: int, step_s: float) -> dict:
     ops = {kind: statistics.mean(e.end - e.start for e in events if e.kind == kind)
            for kind in "FB"}
-    return {"bubble": bubble_fraction(events), "theoretical": theoretical,
+    busy = 1 - bubble_fraction(events)
+    span = max(e.end for e in events)
+    return {"bubble": 1 - busy, "theoretical": theoretical,
+            "replayed": 1 - busy * span / ideal_span(events),
             "grid": render_grid(events, width), "step_s": step_s, "ops": ops,
-            "span": max(e.end for e in events)}
+            "span": span, "breakdown": describe(events)}
 
 
 def _median(records: list[dict]) -> dict:
@@ -132,7 +160,7 @@ def bubble_case(pipeline: str, microbatches: int, warmup: int, records: int,
     model, opt, train_step = _distributed_model(
         {"pipeline_parallel_degree": torch.distributed.get_world_size(),
          "microbatches": microbatches, "pipeline": pipeline})
-    x, y = _batch()
+    x, y = _batch(microbatches * MICROBATCH)
     for _ in range(warmup):  # the split, the schedule's shape inference, first calls
         opt.zero_grad()
         with contextlib.redirect_stdout(io.StringIO()):  # rank 0 prints the split
@@ -258,18 +286,25 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=2, help="pipeline ranks p (2 or 4)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per variant and round")
     ap.add_argument("--warmup", type=int, default=3, help="steps before recording a bubble")
-    ap.add_argument("--records", type=int, default=5, help="recorded steps per bubble case")
+    ap.add_argument("--records", type=int, default=7, help="recorded steps per bubble case")
     ap.add_argument("--width", type=int, default=100, help="columns of a printed grid")
+    ap.add_argument("--cases", nargs="*", metavar="SCHEDULE:M",
+                    help="only these bubble cases (e.g. simple:4), and no step-time case")
     args = ap.parse_args()
+    cases = BUBBLE_CASES if args.cases is None else [
+        (c.split(":")[0], int(c.split(":")[1])) for c in args.cases]
     p = args.world_size
     if p < 2 or MODEL["n_layers"] % (2 * p):
         ap.error(f"--world-size must be at least 2 and split {MODEL['n_layers']} layers into "
                  "2 stages per rank (2 or 4)")
     ratios = {}
-    print(f"GPT {MODEL}, batch {BATCH} x {MODEL['max_seq_len']} tokens per step, fp32, SGD, "
-          f"p={p} gloo ranks on CPU, {MODEL['n_layers']} layers in equal stages")
+    print(f"GPT {MODEL}, fp32, SGD, p={p} gloo ranks on CPU (one thread each), "
+          f"{MODEL['n_layers']} layers in equal stages; bubble cases: microbatches of "
+          f"{MICROBATCH} x {MODEL['max_seq_len']} tokens (batch m x {MICROBATCH}); step time: "
+          f"batch {BATCH}")
     with WorkerGroup(p, case_timeout_s=1800) as group:
-        for pipeline, m in BUBBLE_CASES:
+        for pipeline, m in cases:
+            load = os.getloadavg()[0]
             got = group.run(bubble_case, pipeline=pipeline, microbatches=m,
                             warmup=args.warmup, records=args.records, width=args.width)[0]
             ours, hand = got["ours"], got["hand"]
@@ -284,11 +319,17 @@ def main() -> None:
                   f"{ours['bubble']:.1%} (median of "
                   f"{', '.join(f'{b:.1%}' for b in ours['all'])}), ratio {ratios[key]:.3f}; "
                   f"by hand {hand['bubble']:.1%}, ratio "
-                  f"{hand['bubble'] / hand['theoretical']:.3f}")
+                  f"{hand['bubble'] / hand['theoretical']:.3f}; 1-min load {load:.1f} before, "
+                  f"{os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
             for name, r in (("ours", ours), ("hand", hand)):
                 print(f"   {name}: recorded step {r['step_s'] * 1e3:.0f} ms (F/B span "
                       f"{r['span'] * 1e3:.0f} ms), mean F {r['ops']['F'] * 1e3:.1f} ms, "
-                      f"B {r['ops']['B'] * 1e3:.1f} ms")
+                      f"B {r['ops']['B'] * 1e3:.1f} ms; bubble of these ops replayed "
+                      f"without gaps {r['replayed']:.1%}")
+                print("      " + r["breakdown"].replace("\n", "\n      "))
+        if args.cases is not None:
+            print("RATIOS " + " ".join(f"{k}={v:.4f}" for k, v in ratios.items()))
+            return
 
         t = group.run(time_case, steps=args.steps)[0]
         print(f"\nstep time ({2 * args.steps} steps each, p={p}, {TIME_SCHEDULE} (1F1B), "
