@@ -35,10 +35,11 @@ world size) and prints, as its last line, ratios measured in this one run:
   12.8% replayed without gaps (1.15: the last stage, with the final norm and LM head,
   is 3% busier, and 1F1B makes the other rank wait that for every microbatch), gaps
   1.3% of the span (~1 ms per op on the last stage: the activation's arrival, the
-  loss) -- the goal of 1.10 is out of reach for this split with no gaps at all. GPipe
-  m=4 with 4 sequences (load 2.4): 24.4% for 20.0% (1.22; by hand 25.3%), 21.4%
-  replayed. With 2 sequences per microbatch the same gaps were 10% of the span (GPipe
-  m=8 1.9): hence the fixed microbatch. More in docs/pipeline.md;
+  loss) -- 1.10 is out of reach for this split with no gaps at all. m=4 (load
+  3.1-3.5): 1F1B 21.8% for 20.0% (1.09; by hand 1.11), 20.5% replayed; GPipe 24.1%
+  (1.21), 22.3% replayed, its records bimodal (15-17% and 24-31%). With 2 sequences
+  per microbatch the same gaps were 10% of the span (GPipe m=8 1.9): hence the fixed
+  microbatch. More in docs/pipeline.md;
 - pp_step_time: median step time of ``mp.DistributedModel`` + ``@mp.step`` (1F1B,
   m=4, the blocks placed with ``mp.set_partition`` into equal contiguous stages)
   over the same split driven by hand with ``PipelineStage`` + ``Schedule1F1B``
