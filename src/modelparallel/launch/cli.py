@@ -1,5 +1,5 @@
 """The ``modelparallel`` command: ``run`` a training script, ``check-config`` a file,
-``report`` on a run, submit and follow training ``jobs``."""
+``plan`` a layout, ``report`` on a run, submit and follow training ``jobs``."""
 
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=int, default=None,
                    help="also check the degrees against this many processes")
     c.add_argument("--list", action="store_true", help="list every key with its default")
+    from modelparallel.plan.cli import add_workload_arguments
+
+    add_workload_arguments(c, required=False)  # --model ...: also plan the layout
 
     rp = sub.add_parser("report", help="build a run directory's report.html again",
                         description="Write RUN_DIR/report.html from what the run directory "
@@ -58,8 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir", help="a run directory (runs/...)")
 
     from modelparallel.jobs.cli import add_parser as add_jobs_parser
+    from modelparallel.plan.cli import add_parser as add_plan_parser
 
     add_jobs_parser(sub)
+    add_plan_parser(sub)
     return p
 
 
@@ -87,9 +92,18 @@ def check_config(file: str | None, world_size: int | None, list_keys: bool) -> i
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
-        sys.exit(check_config(args.file, args.world_size, args.list))
+        code = check_config(args.file, args.world_size, args.list)
+        if code == 0 and args.model is not None:
+            from modelparallel.plan.cli import plan_for_check_config
+
+            code = plan_for_check_config(args)
+        sys.exit(code)
     if args.command == "report":
         sys.exit(report(args.run_dir))
+    if args.command == "plan":
+        from modelparallel.plan.cli import main as plan_main
+
+        sys.exit(plan_main(args))
     if args.command == "jobs":
         from modelparallel.jobs.cli import main as jobs_main
 

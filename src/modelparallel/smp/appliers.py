@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from modelparallel.observe.fit_check import warn_if_state_cannot_fit
 from modelparallel.parallel import replicate as replicating
 from modelparallel.parallel import sharding
 from modelparallel.parallel.blocks import BlockSpec
@@ -37,16 +38,21 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     if cp_comm_type != "p2p" and ctx.rank == 0:
         logger.info("transform(cp_comm_type=%r) has no effect: context parallelism is not "
                     "built (context_parallel_degree is 1)", cp_comm_type)
-    return splitting.transform(model, ctx, sequence_parallel=sequence_parallel,
-                               loss_parallel=loss_parallel, device=device, dtype=dtype,
-                               weights_from_rank0=load_state_dict_from_rank0)
+    model = splitting.transform(model, ctx, sequence_parallel=sequence_parallel,
+                                loss_parallel=loss_parallel, device=device, dtype=dtype,
+                                weights_from_rank0=load_state_dict_from_rank0)
+    if ctx.topology.dp_shard == 1:  # else the sharding that follows checks
+        warn_if_state_cannot_fit(model, ctx.rank, ctx.device, "mp.transform")
+    return model
 
 
 def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: bool | None = None,
           mp_policy: MixedPrecisionPolicy | None = None, **fully_shard_kwargs: Any) -> nn.Module:
     ctx = state.require("mp.shard()").context
-    return sharding.shard(model, ctx, blocks=blocks, reshard_after_forward=reshard_after_forward,
-                          mp_policy=mp_policy, **fully_shard_kwargs)
+    model = sharding.shard(model, ctx, blocks=blocks, reshard_after_forward=reshard_after_forward,
+                           mp_policy=mp_policy, **fully_shard_kwargs)
+    warn_if_state_cannot_fit(model, ctx.rank, ctx.device, "mp.shard")
+    return model
 
 
 def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:

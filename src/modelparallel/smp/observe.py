@@ -7,6 +7,7 @@ from modelparallel.context import ParallelContext
 from modelparallel.observe import metrics
 from modelparallel.observe.collectives import CollectiveCounter
 from modelparallel.observe.metrics import StepRecord
+from modelparallel.observe.tensor_memory import PeakTensorMemory
 from modelparallel.smp.state import state
 
 
@@ -19,4 +20,4 @@ class StepMetrics(metrics.StepMetrics):
         return state.require("mp.observe.StepMetrics").context
 
 
-__all__ = ["CollectiveCounter", "StepMetrics", "StepRecord"]
+__all__ = ["CollectiveCounter", "PeakTensorMemory", "StepMetrics", "StepRecord"]

@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from modelparallel.context import ParallelContext
+from modelparallel.observe.fit_check import warn_if_state_cannot_fit
 from modelparallel.parallel import deferred, parallelize
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.pipeline import cut, schedules
@@ -240,6 +241,8 @@ class PipelineEngine:
         after = dict(self.module.named_parameters(remove_duplicate=False))
         self.replaced = {id(before[n]): p for n, p in after.items() if p is not before[n]}
         self.local = {n: p for n, p in after.items() if not is_meta(p)}
+        warn_if_state_cannot_fit(self.module, self.ctx.rank, self.ctx.device,
+                                 "DistributedModel")
 
     def _free_other_stages(self, everything: list[str], held: list[str]) -> None:
         """Swap the parameters of modules this rank does not hold for meta tensors."""

@@ -142,6 +142,7 @@ class StageRunner:
         self.microbatches: list[Microbatch] = []
         self._markers = [torch.full((1,), float(i), device=device) for i in range(round_size)]
         self._inference_output = None
+        self._loss_of = -1  # the microbatch whose loss torch computes next
         self.outputs: dict[int, Any] = {}
         self.modules = [StageModule(model, split, s, stubs, self._inputs, self._output)
                         for s in stage_ids]
@@ -187,6 +188,8 @@ class StageRunner:
 
     def _output(self, mb: torch.Tensor, output: Any) -> torch.Tensor:
         i = self._index(mb)
+        # torch computes a microbatch's loss right after the last stage's forward of it
+        self._loss_of = -1 if i is None else i
         if i is None:
             self._inference_output = output
             return torch.full((), -1.0, device=mb.device)
@@ -194,7 +197,9 @@ class StageRunner:
         return torch.full((), float(i), device=mb.device)
 
     def _loss(self, marker: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        i = int(marker.item())
+        # the index is known without reading the marker's value (none under the planner's
+        # fake tensors)
+        i = self._loss_of
         if i < 0:  # metadata inference: any loss that depends on the output will do
             leaves = [t for t in pytree.tree_leaves(self._inference_output)
                       if isinstance(t, torch.Tensor) and t.requires_grad]

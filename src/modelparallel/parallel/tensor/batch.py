@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake  # the planner's tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -49,7 +50,7 @@ def gather_batches(model: nn.Module, mesh: DeviceMesh) -> None:
         if first is None:
             return None
         batch = first.shape[0]
-        sizes = _all_gather_sizes(batch, mesh, first.device).tolist()
+        sizes = _all_gather_sizes(batch, mesh, first)
         if len(set(sizes)) > 1:
             raise BatchSizeMismatchError(
                 f"the ranks of a tensor-parallel group passed batches of {sizes} rows; with "
@@ -82,10 +83,14 @@ def gather_batches(model: nn.Module, mesh: DeviceMesh) -> None:
     model.register_forward_hook(take_own_rows, with_kwargs=True)
 
 
-def _all_gather_sizes(batch: int, mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
+def _all_gather_sizes(batch: int, mesh: DeviceMesh, first: torch.Tensor) -> list[int]:
+    device = first.device
     if device.type != mesh.device_type:
         device = torch.device(mesh.device_type)
-    return _all_gather_rows(torch.tensor([batch], device=device), mesh)
+    sizes = _all_gather_rows(torch.tensor([batch], device=device), mesh)
+    if is_fake(first):  # the planner's dry run (modelparallel.plan): ranks alike, no data
+        return [batch] * mesh.size()
+    return sizes.tolist()
 
 
 def _batched(t: object) -> bool:

@@ -1,0 +1,181 @@
+"""``modelparallel plan``: the command line of the planner (and ``check-config --model``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from modelparallel.config import ConfigError
+from modelparallel.plan import JobPlan, PlanError, plan_job
+from modelparallel.plan.device_model import PROFILES, DeviceModel, measure_here
+from modelparallel.plan.estimate import StepEstimate, estimate_step
+from modelparallel.plan.workload import OPTIMIZERS, ModelFactory, Workload
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
+    """The arguments that say what is trained (shared with ``check-config``)."""
+    p.add_argument("--model", required=required, metavar="FILE.py:FUNCTION",
+                   help="FUNCTION() returns the single-device model; FILE is imported as a "
+                        "training script would be (its TP plan registrations run)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="rows each rank's data loader yields per step (with prescaled_batch "
+                        "false a tensor-parallel group concatenates its ranks' batches)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="checkpoint the model's repeated blocks")
+    p.add_argument("--api", choices=("v1", "v2"), default="v1",
+                   help="v1: DistributedModel + @step (any layout); v2: transform + shard")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan", help="predict each rank's memory, communication and step time before launch",
+        description="Simulate one training step of every rank on fake tensors and a fake "
+                    "process group (nothing is allocated or sent) and report per rank the "
+                    "peak of allocated tensor memory and its parts, the bytes each group's "
+                    "collectives move, and an estimated step time (docs/planner.md).")
+    add_workload_arguments(p, required=True)
+    p.add_argument("--config", default=None, help="JSON or YAML configuration (the layout)")
+    p.add_argument("--world-size", type=int, required=True, help="processes in the job")
+    p.add_argument("--memory-per-device", default=None, metavar="BYTES",
+                   help="search every layout of the world size and rank those whose peak "
+                        "fits in BYTES (suffixes K, M, G, T: powers of 1024)")
+    p.add_argument("--device-profile", choices=sorted(PROFILES), default=None,
+                   help="estimate the step time with a GPU's datasheet figures instead of "
+                        "calibrating this machine")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def load_factory(spec: str) -> ModelFactory:
+    """``FILE.py:FUNCTION`` -> FUNCTION, FILE imported as a script's module would be."""
+    file, _, function = spec.rpartition(":")
+    if not file or not function:
+        raise PlanError(f"--model {spec!r}: give FILE.py:FUNCTION")
+    path = Path(file).resolve()
+    if not path.is_file():
+        raise PlanError(f"--model {spec!r}: no file {path}")
+    sys.path.insert(0, str(path.parent))
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[path.stem] = module
+    module_spec.loader.exec_module(module)
+    factory = getattr(module, function, None)
+    if not callable(factory):
+        raise PlanError(f"--model {spec!r}: {path.name} has no function {function}")
+
+    def build() -> nn.Module:
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise PlanError(f"{function}() returned {type(model).__name__}, not an nn.Module")
+        return model
+
+    return build
+
+
+def parse_bytes(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = _read_config(args.config)
+        work = workload_from(args, config, args.world_size)
+        device = PROFILES[args.device_profile] if args.device_profile else measure_here()
+        if args.memory_per_device is not None:
+            from modelparallel.plan.search import search
+            from modelparallel.plan.table import ranking
+
+            found = search(work, device, parse_bytes(args.memory_per_device))
+            print(json.dumps([c.__dict__ | {"plan": c.plan.as_dict() if c.plan else None,
+                                            "estimate": c.estimate.as_dict() if c.estimate
+                                            else None} for c in found], indent=1)
+                  if args.json else ranking(found, device))
+            return 0 if any(c.refused is None for c in found) else 1
+        plan = plan_job(work)
+        estimate = estimate_step(plan.ranks, device, config.get("pipeline_parallel_degree", 1),
+                                 config.get("microbatches", 1))
+        print(json.dumps(as_json(plan, estimate), indent=1) if args.json
+              else describe(plan, estimate))
+        return 0
+    except (PlanError, ConfigError) as error:
+        print(f"modelparallel plan: {error}", file=sys.stderr)
+        return 2
+
+
+def plan_for_check_config(args: argparse.Namespace) -> int:
+    """``check-config FILE --model ... --world-size N``: the plan of FILE's layout."""
+    try:
+        if args.world_size is None or args.file is None:
+            raise PlanError("--model needs a configuration FILE and --world-size")
+        config = _read_config(args.file)
+        plan = plan_job(workload_from(args, config, args.world_size))
+        estimate = estimate_step(plan.ranks, measure_here(),
+                                 config.get("pipeline_parallel_degree", 1),
+                                 config.get("microbatches", 1))
+        print(describe(plan, estimate))
+        return 0
+    except (PlanError, ConfigError) as error:
+        print(f"modelparallel check-config: {error}", file=sys.stderr)
+        return 2
+
+
+def workload_from(args: argparse.Namespace, config: dict[str, Any], world_size: int) -> Workload:
+    missing = [f"--{n.replace('_', '-')}" for n in ("batch_size", "seq_len")
+               if getattr(args, n) is None]
+    if missing:
+        raise PlanError(f"the planner needs {' and '.join(missing)}")
+    return Workload(load_factory(args.model), config, world_size, args.batch_size,
+                    args.seq_len, args.optimizer, args.activation_checkpointing, args.api)
+
+
+def as_json(plan: JobPlan, estimate: StepEstimate) -> dict[str, Any]:
+    out = plan.as_dict()
+    out["comm_bytes_per_step"] = _comm_per_group(plan)
+    out["estimate"] = estimate.as_dict()
+    return out
+
+
+def describe(plan: JobPlan, estimate: StepEstimate) -> str:
+    from modelparallel.plan.table import rank_table
+
+    lines = [rank_table(plan), "", "collectives per step (bytes each rank sends, ring "
+             "algorithms): " + (", ".join(f"{g} {b / 2**20:.2f} MiB" for g, b in
+                                          sorted(_comm_per_group(plan).items())) or "none"),
+             f"estimated step: {estimate.step_s * 1e3:.1f} ms on rank {estimate.slowest_rank} "
+             f"(compute {estimate.compute_s * 1e3:.1f} ms, communication "
+             f"{estimate.comm_s * 1e3:.1f} ms) with {estimate.device}"]
+    return "\n".join(lines)
+
+
+def _comm_per_group(plan: JobPlan) -> dict[str, float]:
+    """Per group: the most bytes any of its ranks moves in a step."""
+    out: dict[str, float] = {}
+    for r in plan.ranks:
+        for group, b in r.comm_bytes.items():
+            out[group] = max(out.get(group, 0.0), b)
+    return out
+
+
+def _read_config(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    from modelparallel.launch.run import load_config_file
+
+    explicit, _ = load_config_file(path)
+    return dict(explicit)
+
+
+__all__ = ["DeviceModel", "add_parser", "add_workload_arguments", "load_factory", "main",
+           "plan_for_check_config"]

@@ -1,0 +1,105 @@
+"""One rank's training step, simulated: the real layout code (``mp.init``, the
+appliers, the pipeline schedule) on a fake process group and fake tensors, so nothing
+is allocated and nothing is sent. The step runs twice: the first creates the optimizer
+state, the second is the one measured (``StepTracker`` keeps the peak of live tensor
+storage and counts operations and FLOPs, a ``CollectiveCounter`` the bytes each group
+moves).
+
+The planner never runs a real step; what it reports is read from this simulation, and
+what ``StepMetrics`` measures in training is read from the allocator (``observe/``):
+the two share no code that decides the answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelparallel.plan.fake_world import (
+    PlanError,
+    fake_process_group,
+    fake_tensors,
+)
+from modelparallel.plan.mailbox import ObjectMailbox
+from modelparallel.plan.tracker import StepTracker
+from modelparallel.plan.workload import OPTIMIZERS, TrainingScript, Workload
+
+
+@dataclass
+class RankPlan:
+    """The simulated step of one rank (bytes are this rank's)."""
+
+    rank: int
+    peak_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # per group label
+    comm_calls: dict[str, int] = field(default_factory=dict)
+    flops: int = 0
+    ops: int = 0  # tensor operations the step runs
+    coordinates: dict[str, int] = field(default_factory=dict)  # pp, dp_replicate, ...
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None) -> RankPlan:
+    """Simulate ``rank``'s step of ``work`` (in this process; no process group may exist).
+    Simulate the ranks of one job in rank order with one ``mailbox``."""
+    if work.optimizer not in OPTIMIZERS:
+        raise PlanError(f"--optimizer {work.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    import modelparallel as mp
+    from modelparallel.observe.collectives import CollectiveCounter
+
+    mailbox = mailbox or ObjectMailbox()
+    with _quiet(), fake_process_group(rank, work.world_size), mailbox.delivering(rank):
+        mp.init(dict(work.config))
+        try:
+            with fake_tensors():
+                # on CPU, training's collectives go through gloo
+                tracker = StepTracker(gloo=mp.state.context.device.type == "cpu")
+                with tracker:
+                    trainer = TrainingScript(work, mp)
+                with tracker:
+                    trainer.step()  # creates the optimizer state
+                counter = CollectiveCounter(mp.state.group_labels)
+                with tracker, counter:  # entering resets the tracker's peak
+                    trainer.step()
+                peak = tracker.peak
+            held = trainer.held
+            return RankPlan(
+                rank=rank, peak_bytes=peak, param_bytes=held["param"],
+                grad_bytes=held["grad"], optimizer_bytes=held["optimizer"],
+                activation_bytes=peak - sum(held.values()),
+                comm_bytes=dict(counter.bytes), comm_calls=dict(counter.calls),
+                flops=int(tracker.flops), ops=tracker.ops,
+                coordinates=dict(mp.state.context.topology.coordinate(rank)))
+        finally:
+            mp.reset()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The fake backend cannot set timeouts and torch warns about fake collectives:
+    neither concerns the plan."""
+    loggers = [logging.getLogger(n) for n in ("torch", "modelparallel")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            # what the script would print (the pipeline's partition table) is not the plan's
+            with contextlib.redirect_stdout(io.StringIO()):
+                yield
+        finally:
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
+

@@ -1,0 +1,147 @@
+"""One rank of a job, simulated in this process: a fake process group (torch's ``fake``
+backend: collectives return at once and move nothing) and fake tensors (shapes, dtypes
+and storages without memory). Everything that reaches into torch beyond its public API
+for the planner is here, each piece with the reason:
+
+- ``DeviceMesh`` computes a rank's coordinates with ``nonzero`` on its rank tensor; FSDP2
+  makes new meshes while it shards (``_init_sharding_spec_tp``), which under fake
+  tensors has no answer. Mesh construction runs with the fake mode unset
+  (``unset_fake_temporarily``): a mesh is rank bookkeeping, never model memory.
+- Values a real step reads back (``.item()``: an optimizer's step count, a loss
+  scaler's overflow flag) do not exist under fake tensors. ``ScalarPolicy`` answers
+  with the value of a healthy step (no overflow, a count of 1), answers the integers
+  of ``KNOWN_INTEGERS`` (torch's pipeline warm-up vote: every stage knows its shapes,
+  our engine's stages leave it to torch), and refuses other integers, naming the line that asked.
+- Object collectives are carried between the simulated ranks (``plan/mailbox.py``).
+- DTensor caches sharding decisions by mesh, and meshes compare equal by layout: the
+  next simulated rank's identical mesh would find the previous rank's (with its
+  destroyed groups). ``fake_process_group`` clears those caches when a rank ends.
+- ``StepTracker`` (``plan/tracker.py``) wraps ``UntypedStorage.resize_``, which no
+  dispatch mode sees and FSDP2 frees and refills parameter storage with.
+
+``tests/unit/test_plan_torch_internals.py`` fails if torch changes any of these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "NotYetSent",
+    "PlanError",
+    "ScalarPolicy",
+    "fake_process_group",
+    "fake_tensors",
+    "forget_sharding_caches",
+    "group_or_world",
+    "is_fake",
+    "unset_fake_temporarily",
+]
+
+
+class PlanError(RuntimeError):
+    """The planner cannot simulate this model or layout (the message says where)."""
+
+
+class NotYetSent(PlanError):
+    """A rank needs an object from a rank the planner has not simulated yet."""
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """The default process group of ``rank`` in a job of ``world_size`` processes."""
+    if dist.is_initialized():
+        raise PlanError("the planner runs outside a job: a process group already exists")
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        forget_sharding_caches()
+
+
+def forget_sharding_caches() -> None:
+    """Forget DTensor's sharding decisions (they hold the meshes they were made on)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch's cache
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+
+
+# (file suffix, function) reading an integer -> the value a healthy step reads there
+KNOWN_INTEGERS = {
+    # our stages are built without example shapes: torch infers them (DYNAMIC, 0)
+    ("torch/distributed/pipelining/schedules.py", "_warmup_p2p"): 0,
+}
+
+
+class ScalarPolicy(TorchDispatchMode):
+    """Answer a fake tensor's ``.item()`` as a healthy training step would."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and is_fake(args[0]):
+            dtype = args[0].dtype
+            if dtype == torch.bool:
+                return False  # no overflow, no non-finite gradient
+            if dtype.is_floating_point:
+                return 1.0
+            stack = traceback.extract_stack()
+            for frame in reversed(stack):
+                for (suffix, function), value in KNOWN_INTEGERS.items():
+                    if frame.filename.endswith(suffix) and frame.name == function:
+                        return value
+            raise PlanError("the step reads an integer from a tensor, which the planner "
+                            f"cannot know without running it, at {_user_line(stack)}")
+        return func(*args, **(kwargs or {}))
+
+
+def _user_line(stack: traceback.StackSummary) -> str:
+    frames = [f for f in stack if "/torch/" not in f.filename and "/plan/" not in f.filename
+              and not f.filename.endswith("parallel/dataflow.py")]
+    if not frames:
+        return "an unknown line"
+    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}"
+
+
+@contextlib.contextmanager
+def _meshes_outside_fake_mode() -> Iterator[None]:
+    original = DeviceMesh.__init__
+
+    def init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def fake_tensors() -> Iterator[FakeTensorMode]:
+    """Fake tensors for everything created inside (real tensors passed in are
+    converted), device meshes built as usual, and ``.item()`` answered."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _meshes_outside_fake_mode(), mode, ScalarPolicy():
+        yield mode
+
+
+def group_or_world(group: Any) -> dist.ProcessGroup:
+    """``group``, or the default group for None."""
+    found = group or dist.group.WORLD
+    assert found is not None, "the fake process group is gone"
+    return found

@@ -1,0 +1,67 @@
+"""The planner's tables for people (``--json`` is for programs)."""
+
+from __future__ import annotations
+
+from modelparallel.plan import JobPlan
+from modelparallel.plan.device_model import DeviceModel
+from modelparallel.plan.search import Candidate
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def rank_table(plan: JobPlan) -> str:
+    """One line per rank: where it sits, and its memory in MiB."""
+    w = plan.work
+    head = (f"plan: {w.world_size} ranks, {_degrees(w.config)}, batch {w.batch_size} x "
+            f"{w.seq_len} per rank, {w.optimizer}"
+            + (", activation checkpointing" if w.activation_checkpointing else "")
+            + f" (API {w.api})")
+    rows = [head, f"{'rank':>4}  {'pp dr ds tp':11}  {'peak MiB':>10}  {'params':>9}  "
+                  f"{'grads':>9}  {'optimizer':>9}  {'activations':>11}"]
+    for r in plan.ranks:
+        c = r.coordinates
+        where = f"{c['pp']:>2} {c['dp_replicate']:>2} {c['dp_shard']:>2} {c['tp']:>2}"
+        rows.append(f"{r.rank:>4}  {where:11}  {mib(r.peak_bytes):>10}  {mib(r.param_bytes):>9}  "
+                    f"{mib(r.grad_bytes):>9}  {mib(r.optimizer_bytes):>9}  "
+                    f"{mib(r.activation_bytes):>11}")
+    rows.append("(pp dr ds tp: the rank's pipeline stage, data-parallel replica, shard and "
+                "tensor-parallel rank; activations: the rest of the peak)")
+    return "\n".join(rows)
+
+
+def ranking(found: list[Candidate], device: DeviceModel) -> str:
+    """The layouts that fit, fastest first, then those that do not, with why."""
+    rows = [f"{'layout':44}  {'peak MiB':>10}  {'est. step ms':>12}  note"]
+    fitting = [c for c in found if c.refused is None]
+    for c in found:
+        est = f"{c.estimate.step_s * 1e3:.1f}" if c.estimate else "-"
+        note = c.refused or ""
+        rows.append(f"{_degrees(c.config):44}  {mib(c.peak_bytes):>10}  {est:>12}  {note}")
+    if fitting:
+        best = fitting[0]
+        assert best.estimate is not None
+        why = (f"best: {_degrees(best.config)}: the shortest estimated step among the "
+               f"{len(fitting)} layouts that fit (compute {best.estimate.compute_s * 1e3:.1f} "
+               f"ms, communication {best.estimate.comm_s * 1e3:.1f} ms on its slowest rank)")
+        if len(fitting) > 1:
+            second = fitting[1]
+            assert second.estimate is not None
+            why += (f"; next: {_degrees(second.config)} at "
+                    f"{second.estimate.step_s * 1e3:.1f} ms")
+        rows += ["", why]
+    else:
+        rows += ["", "no layout fits: lower --batch-size, add --activation-checkpointing, or "
+                     "use more devices"]
+    rows.append(f"device model: {device.describe()}")
+    return "\n".join(rows)
+
+
+def _degrees(config: dict) -> str:
+    parts = [f"pp {config.get('pipeline_parallel_degree', 1)}",
+             f"tp {config.get('tensor_parallel_degree', 1)}",
+             f"hybrid_shard {config.get('hybrid_shard_degree', 0)}"]
+    if config.get("pipeline_parallel_degree", 1) > 1:
+        parts.append(f"mb {config.get('microbatches', 1)}")
+    return ", ".join(parts)

@@ -1,0 +1,121 @@
+"""``StepTracker``: what one simulated step allocates, runs and computes.
+
+It follows every storage the step's operations create until it is freed and keeps
+the peak. FSDP2 frees and refills storage with ``UntypedStorage.resize_``, which no
+dispatch mode sees: the tracker wraps it while active (as torch's own ``MemTracker``
+does; that one's per-module statistics refuse a module run twice in a step, as every
+pipeline microbatch runs it, and its gradient hooks fail under the pipeline's
+``autograd.grad``).
+
+Collectives on gloo (the CPU backend) allocate working copies through the CPU allocator
+while they run: ``GLOO_WORKSPACE`` gives their size, measured with torch 2.13 by
+``tests/distributed/test_plan_gloo_workspace.py`` (which fails if gloo changes). NCCL
+works in buffers of its own, outside PyTorch's allocator.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._guards import active_fake_mode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+# c10d operation -> (argument holding the tensors, working copies of their bytes)
+GLOO_WORKSPACE = {
+    "_reduce_scatter_base_": (1, 1),  # the whole input, flattened
+    "_allgather_base_": (0, 1),  # the whole output
+    "allgather_": (0, 1),  # the outputs, flattened
+}
+
+
+# torch's FLOP formulas, with its CPU flash attention counted as its GPU one (the same
+# arithmetic; torch's table lacks the CPU kernels, which the planner runs on)
+_FLOPS = {
+    **flop_registry,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        flop_registry[torch.ops.aten._scaled_dot_product_flash_attention],
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        flop_registry[torch.ops.aten._scaled_dot_product_flash_attention_backward],
+}
+
+
+class StepTracker(TorchDispatchMode):
+    """The peak of live tensor storage while inside, and the operations and FLOPs run
+    (counted as torch's ``FlopCounterMode`` counts them, without its module tracking,
+    which keeps activation-checkpointed tensors alive longer than training does and
+    fails under the pipeline's ``autograd.grad``); entering again starts a new peak
+    from what is live then. Every storage an operation returns is counted until it is
+    freed; a DTensor is counted by its local tensor (the mode lets DTensor unwrap first)
+    and DTensor's own shape propagation (a nested fake mode) is not counted."""
+
+    def __init__(self, gloo: bool = False) -> None:
+        super().__init__()
+        self.gloo = gloo  # count gloo's working copies in collectives
+        self.live = 0
+        self.peak = 0
+        self.ops = 0  # operations seen (what a CPU step pays per-operation overhead for)
+        self.flops = 0  # of the operations torch's FLOP counter knows (matmuls, attention)
+        self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
+        self._fake_mode: Any = None
+        self._resize: Any = None
+
+    def __enter__(self) -> StepTracker:
+        self._fake_mode = active_fake_mode()
+        self.peak = self.live
+        self.ops = self.flops = 0
+        self._resize = torch.UntypedStorage.resize_
+        tracker, original = self, self._resize
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            # not an operation a dispatch mode sees: FSDP2 frees and refills parameter
+            # storage this way
+            result = original(storage, size)
+            tracker._count(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        if func is torch.ops._c10d_functional.wait_tensor.default and self._fake_mode:
+            return args[0]  # its fake version returns a new tensor; the real one, its input
+        if self.gloo and func.namespace == "c10d" and func._opname in GLOO_WORKSPACE:
+            at, copies = GLOO_WORKSPACE[func._opname]
+            held = sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(args[at])
+                       if isinstance(t, torch.Tensor))
+            self.peak = max(self.peak, self.live + copies * held)
+        out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is self._fake_mode:
+            self.ops += 1
+            count_flops = _FLOPS.get(func._overloadpacket)
+            if count_flops is not None:
+                self.flops += count_flops(*args, **(kwargs or {}), out_val=out)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":  # meta: no memory
+                    self._count(t.untyped_storage())
+        return out
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        size = storage.nbytes()
+        if key not in self._sizes:
+            weakref.finalize(storage, self._free, key)
+        self.live += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
