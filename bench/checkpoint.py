@@ -21,16 +21,30 @@ this one run:
 - async_stall_over_blocking: the time a training loop spends in its checkpoint calls
   (one every ``--every`` steps) with ``mp.checkpoint.async_save`` (the staging copy,
   plus waiting for the previous save to be committed before starting the next) over
-  the same with the blocking ``mp.checkpoint.save`` (goal < 1). The wait for the last
+  the same with the blocking ``mp.checkpoint.save`` (goal <= 0.10). The wait for the last
   async save after the loop (once per training run) is shown apart, and so is each
   loop's time over the same loop without checkpoints, which also counts the
   background writer's competition for the CPU (noisy: the steps are most of it).
   The last checkpoint of each loop is loaded back and checked against the state at
-  its save call.
+  its save call;
+- ckpt_save_over_disk_write: the sharded save's bandwidth (checkpoint bytes over its
+  median time, everything in ``mp.save_checkpoint`` counted) over the disk's fsync
+  write bandwidth for the same bytes, measured in the same repetitions: every rank at
+  once writes its share to its own file in 1 MiB writes from Python and fsyncs it (what
+  ``dd bs=1M conv=fsync`` does: the disk starts writing at the fsync; our writer starts
+  the writeback while it writes, so this can exceed 1; goal >= 0.80);
+- ckpt_load_over_disk_read: the sharded load from the disk (its files evicted from the
+  page cache first with ``posix_fadvise(DONTNEED)``) over reading the same number of
+  bytes from the disk (the reference files, evicted alike) in 1 MiB reads (goal
+  >= 0.80); a load from
+  the page cache over a read from it is printed too (not a goal: a read from memory is
+  one copy, a load also plans, decodes and sets the state);
+- async_stall_with_final_wait_over_blocking: as async_stall_over_blocking, plus the
+  wait for the last async save after the loop.
 
 Every measurement starts and ends at a barrier; the variants alternate so machine
-noise hits them alike. Loads read files that were just written, so mostly from the
-page cache: the load times are not cold-disk times.
+noise hits them alike. The "sharded" and "full" loads read files that were just
+written, mostly from the page cache.
 """
 
 from __future__ import annotations
@@ -61,7 +75,8 @@ from modelparallel.testing import WorkerGroup
 BATCH, SEQ = 1, 32  # sequences per rank and step, tokens per sequence
 LR = 1e-3
 SAVE_VARIANTS = ("sharded", "full", "dcp")  # ours partial=True, ours partial=False, plain DCP
-LOAD_VARIANTS = ("sharded", "full")
+LOAD_VARIANTS = ("sharded", "full", "cold")  # cold: sharded, its files evicted from the cache
+DISK = ("write", "read", "cached read")  # the same bytes written with fsync, then read back
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # what our sharded save takes
 
 
@@ -127,6 +142,42 @@ def _flush() -> None:
     dist.barrier()
 
 
+def _evict(path: str) -> None:
+    """Drop the (clean: written with fsync, or after _flush) pages of the files under
+    ``path`` from the page cache, so the next read comes from the disk."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for name in (os.path.join(d, f) for d, _, files in os.walk(path) for f in files):
+            fd = os.open(name, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    dist.barrier()
+
+
+def _disk(kind: str, path: str, nbytes: int) -> float:
+    """The disk without the checkpoint code: every rank at once writes its share of
+    ``nbytes`` to its own file in 1 MiB writes and fsyncs it (as ``dd bs=1M conv=fsync``),
+    or reads its file back in 1 MiB reads (as ``dd bs=1M of=/dev/null``); timed like a
+    save, from barrier to barrier."""
+    name = os.path.join(path, f"disk-{dist.get_rank()}")
+    share = nbytes // dist.get_world_size()
+    block = bytearray(1 << 20)
+
+    def write() -> None:
+        with open(name, "wb", buffering=0) as f:
+            for start in range(0, share, len(block)):
+                f.write(memoryview(block)[:min(len(block), share - start)])
+            os.fsync(f.fileno())
+
+    def read() -> None:
+        with open(name, "rb", buffering=0) as f:
+            while f.readinto(block):
+                pass
+
+    os.makedirs(path, exist_ok=True)
+    return _timed(write if kind == "write" else read)
+
+
 def _remove(path: str) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
@@ -144,6 +195,7 @@ def save_load_case(layers: int, reps: int, root: str) -> dict | None:
     expected = _checksum(model, opt)
     saves: dict[str, list[float]] = {v: [] for v in SAVE_VARIANTS}
     loads: dict[str, list[float]] = {v: [] for v in LOAD_VARIANTS}
+    disk: dict[str, list[float]] = {v: [] for v in DISK}
     sizes: dict[str, int] = {}
     path = os.path.join(root, "save_load")
     for rep in range(reps + 1):  # rep 0 warms up
@@ -163,11 +215,23 @@ def save_load_case(layers: int, reps: int, root: str) -> dict | None:
             if dist.get_rank() == 0:
                 sizes[variant] = _bytes_under(os.path.join(path, tag))
             _flush()
+        disk_bytes = _bytes_under(os.path.join(path, f"sharded-{rep}"))  # on every rank
+        took = _disk("write", os.path.join(path, "disk"), disk_bytes)
+        _evict(os.path.join(path, "disk"))
+        took_read = _disk("read", os.path.join(path, "disk"), disk_bytes)
+        if rep:
+            disk["write"].append(took)
+            disk["read"].append(took_read)
+            disk["cached read"].append(_disk("read", os.path.join(path, "disk"), disk_bytes))
+            sizes["disk"] = disk_bytes // dist.get_world_size() * dist.get_world_size()
         k = rep % len(LOAD_VARIANTS)
         for variant in LOAD_VARIANTS[k:] + LOAD_VARIANTS[:k]:
             _scramble(model, opt)
+            tag = f"{'sharded' if variant == 'cold' else variant}-{rep}"
+            if variant == "cold":
+                _evict(os.path.join(path, tag))
 
-            def load(tag=f"{variant}-{rep}"):
+            def load(tag=tag):
                 mp.resume_from_checkpoint(path, tag, model=model, optimizer=opt)
 
             took = _timed(load)
@@ -181,8 +245,8 @@ def save_load_case(layers: int, reps: int, root: str) -> dict | None:
     if dist.get_rank() != 0:
         return None
     params = sum(p.numel() for p in model.parameters())
-    return {"saves": saves, "loads": loads, "sizes": sizes, "state_bytes": state_bytes,
-            "params": params}
+    return {"saves": saves, "loads": loads, "disk": disk, "sizes": sizes,
+            "state_bytes": state_bytes, "params": params}
 
 
 def _loop(model, opt, batch, steps: int, every: int, kind: str, root: str) -> dict:
@@ -266,6 +330,54 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.0f} MB"
 
 
+def _runs(times: list[float]) -> str:
+    return ", ".join(f"{t:.2f}" for t in times)
+
+
+def _report_save_load(got: dict, reps: int, n: int) -> dict[str, float]:
+    """Print the save, load and disk times; their ratios."""
+    med = {k: statistics.median(v) for k, v in got["saves"].items()}
+    lmed = {k: statistics.median(v) for k, v in got["loads"].items()}
+    dmed = {k: statistics.median(v) for k, v in got["disk"].items()}
+    sizes = got["sizes"]
+    sizes["cold"] = sizes["sharded"]
+    print(f"save, median of {reps} (model + optimizer, every rank waits at a barrier after):")
+    names = {"sharded": "ours partial=True (DCP shards)",
+             "full": "ours partial=False (rank 0 safetensors)",
+             "dcp": "plain torch DCP save",
+             "cold": "ours partial=True, files not in page cache"}
+    for v in SAVE_VARIANTS:
+        print(f"   {names[v]:42} {med[v]:6.2f} s  {_mb(sizes[v]):>7} written  "
+              f"{sizes[v] / 1e6 / med[v]:6.0f} MB/s  (runs {_runs(got['saves'][v])} s)")
+    print(f"load, median of {reps} (into the sharded model and optimizer, checked):")
+    for v in LOAD_VARIANTS:
+        print(f"   {names[v]:42} {lmed[v]:6.2f} s  {_mb(sizes[v]):>7} read     "
+              f"{sizes[v] / 1e6 / lmed[v]:6.0f} MB/s  (runs {_runs(got['loads'][v])} s)")
+    nbytes = sizes["disk"]
+    print(f"disk, median of {reps} (no checkpoint code: the {n} ranks at once, each its "
+          f"share in its own file, 1 MiB blocks):")
+    what = {"write": "written, then fsync", "read": "read, not in page cache",
+            "cached read": "read again, from page cache"}
+    for v in DISK:
+        print(f"   {what[v]:42} {dmed[v]:6.2f} s  {_mb(nbytes):>7}          "
+              f"{nbytes / 1e6 / dmed[v]:6.0f} MB/s  (runs {_runs(got['disk'][v])} s)")
+    ratios = {"ckpt_save_full_over_sharded": med["full"] / med["sharded"],
+              "ckpt_load_full_over_sharded": lmed["full"] / lmed["sharded"],
+              "ckpt_save_ours_over_dcp": med["sharded"] / med["dcp"],
+              "ckpt_save_over_disk_write":
+                  sizes["sharded"] / med["sharded"] / (nbytes / dmed["write"]),
+              "ckpt_load_over_disk_read": sizes["sharded"] / lmed["cold"] / (nbytes / dmed["read"])}
+    cached = sizes["sharded"] / lmed["sharded"] / (nbytes / dmed["cached read"])
+    print(f"   full/sharded: save {ratios['ckpt_save_full_over_sharded']:.3f}, load "
+          f"{ratios['ckpt_load_full_over_sharded']:.3f}; ours sharded/plain DCP save "
+          f"{ratios['ckpt_save_ours_over_dcp']:.3f} ({med['sharded'] - med['dcp']:+.2f} s)")
+    print(f"   sharded save over the disk's fsync write: {ratios['ckpt_save_over_disk_write']:.3f}"
+          f" (goal >= 0.8); load from the disk over its read: "
+          f"{ratios['ckpt_load_over_disk_read']:.3f} (goal >= 0.8); load from the page cache "
+          f"over a read from it: {cached:.3f}")
+    return ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", type=int, default=4)
@@ -281,34 +393,10 @@ def main() -> None:
     try:
         with WorkerGroup(n, case_timeout_s=1800, collective_timeout_s=600) as group:
             got = group.run(save_load_case, layers=args.layers, reps=args.reps, root=root)[0]
-            med = {k: statistics.median(v) for k, v in got["saves"].items()}
-            lmed = {k: statistics.median(v) for k, v in got["loads"].items()}
-            sizes = got["sizes"]
             print(f"GPT {_config(args.layers)}: {got['params'] / 1e6:.1f} M parameters, "
                   f"model + SGD momentum {_mb(got['state_bytes'])} fp32, FSDP over {n} gloo "
                   f"ranks on CPU; checkpoints under {root}")
-            print(f"save, median of {args.reps} (model + optimizer, every rank waits at a "
-                  f"barrier after):")
-            names = {"sharded": "ours partial=True (DCP shards)",
-                     "full": "ours partial=False (rank 0 safetensors)",
-                     "dcp": "plain torch DCP save"}
-            for v in SAVE_VARIANTS:
-                times = ", ".join(f"{t:.2f}" for t in got["saves"][v])
-                print(f"   {names[v]:42} {med[v]:6.2f} s  {_mb(sizes[v]):>7} written  "
-                      f"{sizes[v] / 1e6 / med[v]:6.0f} MB/s  (runs {times} s)")
-            print(f"load, median of {args.reps} (into the sharded model and optimizer, "
-                  f"checked):")
-            for v in LOAD_VARIANTS:
-                times = ", ".join(f"{t:.2f}" for t in got["loads"][v])
-                print(f"   {names[v]:42} {lmed[v]:6.2f} s  {_mb(sizes[v]):>7} read     "
-                      f"{sizes[v] / 1e6 / lmed[v]:6.0f} MB/s  (runs {times} s)")
-            ratios["ckpt_save_full_over_sharded"] = med["full"] / med["sharded"]
-            ratios["ckpt_load_full_over_sharded"] = lmed["full"] / lmed["sharded"]
-            ratios["ckpt_save_ours_over_dcp"] = med["sharded"] / med["dcp"]
-            print(f"   full/sharded: save {ratios['ckpt_save_full_over_sharded']:.3f}, load "
-                  f"{ratios['ckpt_load_full_over_sharded']:.3f}; ours sharded/plain DCP save "
-                  f"{ratios['ckpt_save_ours_over_dcp']:.3f} "
-                  f"({med['sharded'] - med['dcp']:+.2f} s)")
+            ratios.update(_report_save_load(got, args.reps, n))
 
             res = group.run(stall_case, layers=args.layers, steps=args.steps,
                             every=args.every, rounds=args.rounds, root=root)[0]
@@ -339,6 +427,7 @@ def main() -> None:
             extra = {k: mean[k]["total"] - base for k in ("blocking", "async")}
             final_wait = statistics.mean(r["final_wait"] for r in res["async"])
             with_wait = (mean["async"]["stall"] + final_wait) / mean["blocking"]["stall"]
+            ratios["async_stall_with_final_wait_over_blocking"] = with_wait
             print(f"   stall async/blocking: in the calls "
                   f"{ratios['async_stall_over_blocking']:.3f} ({with_wait:.3f} counting the "
                   f"final wait); loop time over none "

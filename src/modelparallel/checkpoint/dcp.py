@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as torch_dcp
 from torch.distributed.checkpoint import LoadPlanner, SavePlanner, StorageReader, StorageWriter
 
 from modelparallel.checkpoint import guard
+from modelparallel.checkpoint.staging import ReusedStaging
 from modelparallel.checkpoint.storage import (
     CheckpointError,
     Location,
@@ -162,9 +163,24 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     tmp = temporary_name(name, process_group)
     inner = run_dcp(torch_dcp.async_save, state_dict,
                     storage_writer=writer_for(location.url(tmp)), planner=planner,
-                    process_group=group)
+                    process_group=group, async_stager=_stager())
+    _writing.append(inner)
     return _executor.submit(_finish_async, inner, location.url(name), (location, tmp, name),
                             group, after)
+
+
+_staging = ReusedStaging()
+_writing: list[concurrent.futures.Future] = []  # saves that may still read its copy
+
+
+def _stager() -> ReusedStaging:
+    """The stager of every ``async_save`` to a ``checkpoint_id``: it keeps its CPU copy
+    of the state (:mod:`~modelparallel.checkpoint.staging`), so the next save copies
+    into memory it already has. Before it copies, the saves still writing from that
+    copy are waited for (it must not change under a save that writes it)."""
+    concurrent.futures.wait(_writing)
+    _writing.clear()
+    return _staging
 
 
 def background_group(process_group: dist.ProcessGroup | None,
