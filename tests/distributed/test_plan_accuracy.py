@@ -119,15 +119,13 @@ def test_predicted_peak_and_collectives_match_the_real_run(workers, device, worl
     print(f"{config} ac={checkpointing} step: estimated {estimate.step_s * 1e3:.1f} ms, measured "
           f"{max(r['step_s'] for r in measured) * 1e3:.1f} ms")
     for rank, (real, plan) in enumerate(zip(measured, planned.ranks, strict=True)):
-        # the median step's: on gloo, a step whose asynchronous reduce-scatter ends late
-        # holds its working copy longer (docs/planner.md); the worst step is printed
-        peak, unseen = sorted(real["peaks"])[len(real["peaks"]) // 2]
-        low, high = peak - unseen, peak
-        worst = max(p for p, _ in real["peaks"])
-        print(f"rank {rank}: predicted {plan.peak_bytes} measured {low}..{high} "
-              f"ratio {plan.peak_bytes / high:.3f}; worst step {worst} "
-              f"({plan.peak_bytes / worst:.3f})")
-        assert 0.95 * low <= plan.peak_bytes <= 1.05 * high, \
-            f"rank {rank}: predicted {plan.peak_bytes}, measured {low}..{high}"
+        # on gloo a step's peak depends on when gloo's thread frees its working copies:
+        # the planner gives the range (docs/planner.md); every measured step lies in it
+        early, late = plan.peak_bytes_copies_freed_at_once, plan.peak_bytes
+        for peak, unseen in real["peaks"]:
+            print(f"rank {rank}: predicted {early}..{late} measured {peak - unseen}..{peak} "
+                  f"ratio {late / peak:.3f}")
+            assert 0.95 * early <= peak and peak - unseen <= 1.05 * late, \
+                f"rank {rank}: predicted {early}..{late}, measured {peak - unseen}..{peak}"
         assert plan.comm_bytes == pytest.approx(real["comm"]), \
             f"rank {rank}: predicted {plan.comm_bytes}, counted {real['comm']}"

@@ -35,7 +35,7 @@ class RankPlan:
     """The simulated step of one rank (bytes are this rank's)."""
 
     rank: int
-    peak_bytes: int
+    peak_bytes: int  # the most a step can hold (on gloo: its copies freed late)
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
@@ -45,6 +45,8 @@ class RankPlan:
     flops: int = 0
     ops: int = 0  # tensor operations the step runs
     coordinates: dict[str, int] = field(default_factory=dict)  # pp, dp_replicate, ...
+    # on gloo, a step whose working copies are freed as soon as their calls return
+    peak_bytes_copies_freed_at_once: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -72,7 +74,7 @@ def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None) ->
                 counter = CollectiveCounter(mp.state.group_labels)
                 with tracker, counter:  # entering resets the tracker's peak
                     trainer.step()
-                peak = tracker.peak
+                peak, early = tracker.peak_late, tracker.peak
             held = trainer.held
             return RankPlan(
                 rank=rank, peak_bytes=peak, param_bytes=held["param"],
@@ -80,7 +82,8 @@ def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None) ->
                 activation_bytes=peak - sum(held.values()),
                 comm_bytes=dict(counter.bytes), comm_calls=dict(counter.calls),
                 flops=int(tracker.flops), ops=tracker.ops,
-                coordinates=dict(mp.state.context.topology.coordinate(rank)))
+                coordinates=dict(mp.state.context.topology.coordinate(rank)),
+                peak_bytes_copies_freed_at_once=early)
         finally:
             mp.reset()
 

@@ -28,6 +28,11 @@ def rank_table(plan: JobPlan) -> str:
                     f"{mib(r.activation_bytes):>11}")
     rows.append("(pp dr ds tp: the rank's pipeline stage, data-parallel replica, shard and "
                 "tensor-parallel rank; activations: the rest of the peak)")
+    early = [r.peak_bytes_copies_freed_at_once for r in plan.ranks]
+    if any(e != r.peak_bytes for e, r in zip(early, plan.ranks, strict=True)):
+        rows.append(f"(on gloo the peak is {mib(min(early))}..{mib(max(early))} MiB when its "
+                    "collectives' working copies are freed as their calls return; the table "
+                    "gives the peak when they are freed late)")
     return "\n".join(rows)
 
 

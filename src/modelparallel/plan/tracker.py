@@ -9,8 +9,12 @@ pipeline microbatch runs it, and its gradient hooks fail under the pipeline's
 
 Collectives on gloo (the CPU backend) allocate working copies through the CPU allocator
 while they run: ``GLOO_WORKSPACE`` gives their size, measured with torch 2.13 by
-``tests/distributed/test_plan_gloo_workspace.py`` (which fails if gloo changes). NCCL
-works in buffers of its own, outside PyTorch's allocator.
+``tests/distributed/test_plan_gloo_workspace.py`` (which fails if gloo changes). A copy
+is freed by gloo's own thread, which may happen after the call has returned and the
+step has gone on: so two peaks are kept, ``peak`` (each copy gone when its call
+returns) and ``peak_late`` (each copy kept until the next call of its kind on its
+group, the latest it can be freed) — a real step's peak lies between them, by timing. NCCL works
+in buffers of its own, outside PyTorch's allocator: there the two are equal.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,6 +62,8 @@ class StepTracker(TorchDispatchMode):
         self.gloo = gloo  # count gloo's working copies in collectives
         self.live = 0
         self.peak = 0
+        self.peak_late = 0  # with gloo's working copies freed as late as they can be
+        self._lingering: dict[str, int] = {}  # group/operation -> bytes of its last copy
         self.ops = 0  # operations seen (what a CPU step pays per-operation overhead for)
         self.flops = 0  # of the operations torch's FLOP counter knows (matmuls, attention)
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
@@ -65,7 +72,8 @@ class StepTracker(TorchDispatchMode):
 
     def __enter__(self) -> StepTracker:
         self._fake_mode = active_fake_mode()
-        self.peak = self.live
+        self.peak = self.peak_late = self.live
+        self._lingering.clear()
         self.ops = self.flops = 0
         self._resize = torch.UntypedStorage.resize_
         tracker, original = self, self._resize
@@ -92,11 +100,8 @@ class StepTracker(TorchDispatchMode):
             return NotImplemented
         if func is torch.ops._c10d_functional.wait_tensor.default and self._fake_mode:
             return args[0]  # its fake version returns a new tensor; the real one, its input
-        if self.gloo and func.namespace == "c10d" and func._opname in GLOO_WORKSPACE:
-            at, copies = GLOO_WORKSPACE[func._opname]
-            held = sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(args[at])
-                       if isinstance(t, torch.Tensor))
-            self.peak = max(self.peak, self.live + copies * held)
+        if self.gloo and func.namespace == "c10d":
+            self._gloo_copies(func._opname, args)
         out = func(*args, **(kwargs or {}))
         if active_fake_mode() is self._fake_mode:
             self.ops += 1
@@ -108,6 +113,22 @@ class StepTracker(TorchDispatchMode):
                     self._count(t.untyped_storage())
         return out
 
+    def _gloo_copies(self, op: str, args: Any) -> None:
+        boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+        if boxed is None:
+            return
+        if op not in GLOO_WORKSPACE:
+            return
+        # the first script object is the group; a call's copy is gone by the next call of
+        # its kind on its group (gloo runs a group's calls in order)
+        key = f"{dist.ProcessGroup.unbox(boxed).group_name}/{op}"
+        at, copies = GLOO_WORKSPACE[op]
+        held = copies * sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(args[at])
+                            if isinstance(t, torch.Tensor))
+        self.peak = max(self.peak, self.live + held)
+        self._lingering[key] = held
+        self.peak_late = max(self.peak_late, self.live + sum(self._lingering.values()))
+
     def _count(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
         size = storage.nbytes()
@@ -116,6 +137,7 @@ class StepTracker(TorchDispatchMode):
         self.live += size - self._sizes.get(key, 0)
         self._sizes[key] = size
         self.peak = max(self.peak, self.live)
+        self.peak_late = max(self.peak_late, self.live + sum(self._lingering.values()))
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
