@@ -2,11 +2,12 @@
 
 ``measure_here()`` calibrates this machine with short microbenchmarks (about a second):
 the matrix-multiply rate of one thread (a training rank under ``modelparallel run``
-has one), the cost of one small tensor operation from Python (what a small model's
-step is made of), and a loopback socket's throughput and round-trip time (what gloo
-between ranks of one node goes through). ``PROFILES`` holds published figures for GPUs, to plan
-for a machine the planner is not running on (``--device-profile h100``); they are
-datasheet numbers, not measurements, and the estimate says which it used.
+has one), a small GPT's training step per tensor operation beyond its arithmetic
+(autograd, modules, the optimizer: what a small model's step is made of), and a
+loopback socket's throughput and round-trip time (what gloo between ranks of one node
+goes through). ``PROFILES`` holds published figures for GPUs, to plan for a machine the
+planner is not running on (``--device-profile h100``); they are datasheet numbers, not
+measurements, and the estimate says which it used.
 """
 
 from __future__ import annotations
@@ -59,16 +60,40 @@ def measure_here(size: int = 512, repeats: int = 5) -> DeviceModel:
             start = time.perf_counter()
             a @ b
             best = min(best, time.perf_counter() - start)
-        tiny = torch.ones(1)
-        start = time.perf_counter()
-        for _ in range(2000):
-            tiny = tiny + 1
-        overhead = (time.perf_counter() - start) / 2000
+        rate = 2 * size ** 3 / best
+        overhead = _per_operation(rate)
     finally:
         torch.set_num_threads(threads)
     bandwidth, latency = _loopback()
-    return DeviceModel("this machine's CPU (1 thread per rank)", 2 * size ** 3 / best,
-                       bandwidth, latency, overhead, True)
+    return DeviceModel("this machine's CPU (1 thread per rank)", rate, bandwidth, latency,
+                       overhead, True)
+
+
+def _per_operation(flops_per_s: float) -> float:
+    """What a training step costs per tensor operation beyond its arithmetic: a small
+    GPT's step (autograd, modules, AdamW) timed, its FLOPs' share taken off, divided by
+    the operations it ran."""
+    from modelparallel.models.gpt import GPT, GPTConfig, lm_loss
+    from modelparallel.plan.tracker import StepTracker
+
+    model = GPT(GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=32))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x, y = torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32))
+
+    def step() -> None:
+        lm_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the optimizer state
+    with StepTracker() as counted:
+        step()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return max(0.0, best - counted.flops / flops_per_s) / max(1, counted.ops)
 
 
 def _loopback(megabytes: int = 32, pings: int = 50) -> tuple[float, float]:
