@@ -3,21 +3,23 @@
 ``measure_here()`` calibrates this machine with short microbenchmarks (about a second):
 the matrix-multiply rate of one thread (a training rank under ``modelparallel run``
 has one), a small GPT's training step per tensor operation beyond its arithmetic
-(autograd, modules, the optimizer: what a small model's step is made of), and a
-loopback socket's throughput and round-trip time (what gloo between ranks of one node
-goes through). ``PROFILES`` holds published figures for GPUs, to plan for a machine the
+(autograd, modules, the optimizer: what a small model's step is made of), and two gloo
+ranks' all-reduce over loopback, large (bandwidth) and small (the cost of a call), in
+threads of this process. ``PROFILES`` holds published figures for GPUs, to plan for a machine the
 planner is not running on (``--device-profile h100``); they are datasheet numbers, not
 measurements, and the estimate says which it used.
 """
 
 from __future__ import annotations
 
-import socket
+import datetime
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ def measure_here(size: int = 512, repeats: int = 5) -> DeviceModel:
         overhead = _per_operation(rate)
     finally:
         torch.set_num_threads(threads)
-    bandwidth, latency = _loopback()
+    bandwidth, latency = _gloo()
     return DeviceModel("this machine's CPU (1 thread per rank)", rate, bandwidth, latency,
                        overhead, True)
 
@@ -96,36 +98,33 @@ def _per_operation(flops_per_s: float) -> float:
     return max(0.0, best - counted.flops / flops_per_s) / max(1, counted.ops)
 
 
-def _loopback(megabytes: int = 32, pings: int = 50) -> tuple[float, float]:
-    """Throughput and half round-trip time of a local TCP connection."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    payload = b"\0" * (1 << 20)
+def _gloo(megabytes: int = 16, calls: int = 100) -> tuple[float, float]:
+    """Two gloo ranks in this process (threads over loopback): the bytes per second of a
+    large all-reduce, counted as ``CollectiveCounter`` counts them (2B(n-1)/n = B for two
+    ranks), and the time of a small one."""
+    store = dist.HashStore()
+    found: dict[str, float] = {}
 
-    def echo() -> None:
-        conn, _ = server.accept()
-        with conn:
-            received = 0
-            while received < megabytes << 20:
-                received += len(conn.recv(1 << 20))
-            conn.sendall(b"k")
-            for _ in range(pings):
-                conn.sendall(conn.recv(1))
+    def rank(r: int) -> None:
+        # a gloo backend by itself (its allreduce is the backend API; no default group)
+        group: Any = dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=60))
+        small, large = torch.ones(4), torch.ones(megabytes << 18)
+        for _ in range(10):
+            group.allreduce([small]).wait()
+        start = time.perf_counter()
+        for _ in range(calls):
+            group.allreduce([small]).wait()
+        found[f"latency{r}"] = (time.perf_counter() - start) / calls
+        group.allreduce([large]).wait()
+        start = time.perf_counter()
+        for _ in range(3):
+            group.allreduce([large]).wait()
+        found[f"bandwidth{r}"] = 3 * (megabytes << 20) / (time.perf_counter() - start)
 
-    thread = threading.Thread(target=echo, daemon=True)
-    thread.start()
-    with socket.create_connection(("127.0.0.1", port)) as client:
-        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        start = time.perf_counter()
-        for _ in range(megabytes):
-            client.sendall(payload)
-        client.recv(1)
-        bandwidth = (megabytes << 20) / (time.perf_counter() - start)
-        start = time.perf_counter()
-        for _ in range(pings):
-            client.sendall(b"p")
-            client.recv(1)
-        latency = (time.perf_counter() - start) / pings / 2
-    thread.join(timeout=5)
-    server.close()
-    return bandwidth, latency
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return min(found["bandwidth0"], found["bandwidth1"]), max(found["latency0"],
+                                                              found["latency1"])
