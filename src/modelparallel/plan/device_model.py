@@ -51,7 +51,7 @@ PROFILES = {
 
 
 def measure_here(size: int = 512, repeats: int = 5) -> DeviceModel:
-    """This machine's CPU, one thread per rank, and loopback TCP (gloo's path)."""
+    """This machine's CPU, one thread per rank, and gloo between two of its ranks."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -126,5 +126,10 @@ def _gloo(megabytes: int = 16, calls: int = 100) -> tuple[float, float]:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    if len(found) < 4:
+        from modelparallel.plan.fake_world import PlanError
+
+        raise PlanError("two gloo ranks could not all-reduce on this machine to calibrate "
+                        "the link; give --device-profile")
     return min(found["bandwidth0"], found["bandwidth1"]), max(found["latency0"],
                                                               found["latency1"])
