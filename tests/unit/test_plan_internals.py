@@ -96,3 +96,9 @@ def test_cpu_attention_is_counted_with_the_gpu_kernels_formula():
         attention()
     forward = 4 * 2 * 4 * 64 * 64 * 32  # two matmuls of (s x d) by (d x s), 2 FLOPs each
     assert tracker.flops == forward * 7 // 2  # backward: 2.5 times the forward
+
+
+def test_gloo_runs_a_groups_work_on_the_threads_the_tracker_assumes():
+    from modelparallel.plan.tracker import GLOO_THREADS
+
+    assert dist.ProcessGroupGloo._Options()._threads == GLOO_THREADS

@@ -11,15 +11,18 @@ Collectives on gloo (the CPU backend) allocate working copies through the CPU al
 while they run: ``GLOO_WORKSPACE`` gives their size, measured with torch 2.13 by
 ``tests/distributed/test_plan_gloo_workspace.py`` (which fails if gloo changes). A copy
 is freed by gloo's own thread, which may happen after the call has returned and the
-step has gone on: so two peaks are kept, ``peak`` (each copy gone when its call
-returns) and ``peak_late`` (each copy kept until the next call of its kind on its
-group, the latest it can be freed) — a real step's peak lies between them, by timing. NCCL works
-in buffers of its own, outside PyTorch's allocator: there the two are equal.
+step has gone on, even into the next step: so two peaks are kept, ``peak`` (each copy
+gone when its call returns) and ``peak_late`` (the copies of a group's last
+``GLOO_THREADS`` calls still held — gloo runs a group's work on that many threads, and
+each holds its call's copy until it lets the work go) — a real step's peak lies between
+them, by timing. NCCL works in buffers of its own, outside PyTorch's allocator: there
+the two are equal.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+GLOO_THREADS = 2  # ProcessGroupGloo's worker threads per group (torch's default)
 # c10d operation -> (argument holding the tensors, working copies of their bytes)
 GLOO_WORKSPACE = {
     "_reduce_scatter_base_": (1, 1),  # the whole input, flattened
@@ -63,7 +67,8 @@ class StepTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.peak_late = 0  # with gloo's working copies freed as late as they can be
-        self._lingering: dict[str, int] = {}  # group/operation -> bytes of its last copy
+        # group -> bytes of the copies of its last GLOO_THREADS calls
+        self._lingering: dict[str, deque[int]] = {}
         self.ops = 0  # operations seen (what a CPU step pays per-operation overhead for)
         self.flops = 0  # of the operations torch's FLOP counter knows (matmuls, attention)
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
@@ -72,8 +77,9 @@ class StepTracker(TorchDispatchMode):
 
     def __enter__(self) -> StepTracker:
         self._fake_mode = active_fake_mode()
-        self.peak = self.peak_late = self.live
-        self._lingering.clear()
+        self.peak = self.live
+        # the previous step's last copies may still be there (gloo's thread frees them)
+        self.peak_late = self.live + self._held_late()
         self.ops = self.flops = 0
         self._resize = torch.UntypedStorage.resize_
         tracker, original = self, self._resize
@@ -119,15 +125,16 @@ class StepTracker(TorchDispatchMode):
             return
         if op not in GLOO_WORKSPACE:
             return
-        # the first script object is the group; a call's copy is gone by the next call of
-        # its kind on its group (gloo runs a group's calls in order)
-        key = f"{dist.ProcessGroup.unbox(boxed).group_name}/{op}"
+        key = dist.ProcessGroup.unbox(boxed).group_name  # the first script object: the group
         at, copies = GLOO_WORKSPACE[op]
         held = copies * sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(args[at])
                             if isinstance(t, torch.Tensor))
         self.peak = max(self.peak, self.live + held)
-        self._lingering[key] = held
-        self.peak_late = max(self.peak_late, self.live + sum(self._lingering.values()))
+        self._lingering.setdefault(key, deque(maxlen=GLOO_THREADS)).append(held)
+        self.peak_late = max(self.peak_late, self.live + self._held_late())
+
+    def _held_late(self) -> int:
+        return sum(sum(copies) for copies in self._lingering.values())
 
     def _count(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
@@ -137,7 +144,7 @@ class StepTracker(TorchDispatchMode):
         self.live += size - self._sizes.get(key, 0)
         self._sizes[key] = size
         self.peak = max(self.peak, self.live)
-        self.peak_late = max(self.peak_late, self.live + sum(self._lingering.values()))
+        self.peak_late = max(self.peak_late, self.live + self._held_late())
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
