@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from modelparallel.plan.fake_world import (
 from modelparallel.plan.mailbox import ObjectMailbox
 from modelparallel.plan.tracker import StepTracker
 from modelparallel.plan.workload import OPTIMIZERS, TrainingScript, Workload
+from modelparallel.quiet import quiet_logs
 
 
 @dataclass
@@ -91,18 +91,8 @@ def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None) ->
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """The fake backend cannot set timeouts and torch warns about fake collectives:
-    neither concerns the plan."""
-    loggers = [logging.getLogger(n) for n in ("torch", "modelparallel")]
-    levels = [lg.level for lg in loggers]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        try:
-            # what the script would print (the pipeline's partition table) is not the plan's
-            with contextlib.redirect_stdout(io.StringIO()):
-                yield
-        finally:
-            for lg, level in zip(loggers, levels, strict=True):
-                lg.setLevel(level)
-
+    neither concerns the plan; what the script would print (the pipeline's partition
+    table) is not the plan's either."""
+    with quiet_logs("torch", "modelparallel", level=logging.ERROR), \
+            contextlib.redirect_stdout(io.StringIO()):
+        yield

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from modelparallel.quiet import quiet_logs
 from modelparallel.testing.matrix import zoo
 from modelparallel.testing.matrix.space import ACCUMULATION, STEPS, Case
 
@@ -209,20 +210,8 @@ class PathRun:
 def quiet() -> Iterator[None]:
     """Warnings and torch's own error logs would bury the results; errors still raise.
     The levels and filters come back afterwards: a worker runs other tests next."""
-    import logging
-    import warnings
-
-    loggers = [logging.getLogger(name) for name in ("torch", "transformers", "modelparallel")]
-    levels = [logger.level for logger in loggers]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for logger in loggers:
-            logger.setLevel(logging.CRITICAL)
-        try:
-            yield
-        finally:
-            for logger, level in zip(loggers, levels, strict=True):
-                logger.setLevel(level)
+    with quiet_logs("torch", "transformers", "modelparallel"):
+        yield
 
 
 def _init(case: Case):
