@@ -131,12 +131,9 @@ class StepMetrics:
         measure = not cuda and (self.memory_steps is None or self._step <= self.memory_steps)
         memory = PeakTensorMemory() if measure else None
         start = time.perf_counter()
-        with memory if memory is not None else nullcontext():
-            if counter is not None:
-                with counter:
-                    yield rec
-            else:
-                yield rec
+        with memory if memory is not None else nullcontext(), \
+                counter if counter is not None else nullcontext():
+            yield rec
         if cuda:
             torch.cuda.synchronize(s.device)
         rec.step_time_s = time.perf_counter() - start
