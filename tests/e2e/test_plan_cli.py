@@ -65,6 +65,14 @@ def test_bad_input_gets_one_clear_line(modelparallel, tmp_path):
     config.write_text(json.dumps({"tensor_parallel_degree": 3}))
     ran = modelparallel("plan", *WORKLOAD, "--config", config, "--world-size", 2)
     assert ran.code == 2 and "tensor_parallel_degree" in ran.err, ran.all
+    pipeline = tmp_path / "pp.json"
+    pipeline.write_text(json.dumps({"pipeline_parallel_degree": 2}))
+    ran = modelparallel("plan", *WORKLOAD, "--config", pipeline, "--world-size", 2, "--api",
+                        "v2")
+    assert ran.code == 2 and "--api v2 (transform + shard) has no pipeline" in ran.err, ran.all
+    ran = modelparallel("check-config", pipeline, *WORKLOAD)
+    assert ran.code == 2 and "--model needs a configuration FILE and --world-size" in ran.err, \
+        ran.all
     model = tmp_path / "reads.py"
     model.write_text(
         "import torch\n"
