@@ -93,7 +93,7 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
     on_coordinator(prepare)
     tmp = temporary_name(tag)
     rank = dist.get_rank()
-    location.write_bytes(states.check_safe("rng", states.rng_state(module)), tmp, "rng",
+    location.write_bytes(states.check_safe("rng", states.rng_state()), tmp, "rng",
                          f"rank{rank}.pt")
     manifest = {"format": FORMAT, "tag": tag, "partial": partial, "step": step,
                 "world_size": dist.get_world_size(), "layout": ctx.topology.describe(),
@@ -140,8 +140,8 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
     A sharded checkpoint loads under any layout (world size, sharding, tensor and
     pipeline parallelism): each rank reads the pieces it now holds. A model that has not
     been split yet (a ``PartitionedModel``) and its optimizer are loaded right after the
-    split at the first step (as SMP does). Random generators (and the tensor-parallel
-    streams) are restored when the world size is the same; the fp16 loss scale
+    split at the first step (as SMP does). Random generators are restored when the world
+    size is the same; the fp16 loss scale
     (``loss_scaler``, default: the DistributedOptimizer's) always. ``partial`` is
     accepted for SMP compatibility; the checkpoint itself says how it was saved.
     """
@@ -179,7 +179,7 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
         data_loader.load_state_dict(small["data_loader"])
     if scaler is not None and small.get("loss_scaler") is not None:
         scaler.load_state_dict(small["loss_scaler"])
-    _restore_rng(location, tag, manifest, module)
+    _restore_rng(location, tag, manifest)
     if dist.get_rank() == 0:
         logger.info("resumed from checkpoint %s (step %s)", location.url(tag), manifest["step"])
     return user_content_codec.decode(small["user_content"])
@@ -362,7 +362,7 @@ def _scaler(loss_scaler: Any, optimizer: Any) -> Any:
     return loss_scaler if loss_scaler is not None else getattr(optimizer, "loss_scaler", None)
 
 
-def _restore_rng(location: Location, tag: str, manifest: dict[str, Any], module) -> None:
+def _restore_rng(location: Location, tag: str, manifest: dict[str, Any]) -> None:
     rank = dist.get_rank()
     if manifest["world_size"] != dist.get_world_size():
         if rank == 0:
@@ -370,4 +370,4 @@ def _restore_rng(location: Location, tag: str, manifest: dict[str, Any], module)
                            "by %d ranks, this run has %d", manifest["world_size"],
                            dist.get_world_size())
         return
-    states.set_rng_state(states.load_safe(_read(location, tag, f"rng/rank{rank}.pt")), module)
+    states.set_rng_state(states.load_safe(_read(location, tag, f"rng/rank{rank}.pt")))

@@ -31,7 +31,6 @@ from modelparallel.checkpoint.protocol import PartitionedModel, WrappedOptimizer
 from modelparallel.checkpoint.storage import CheckpointError
 from modelparallel.parallel import fsdp1_state
 from modelparallel.parallel.placement import is_meta
-from modelparallel.parallel.tensor import rng
 from modelparallel.parallel.tensor.styles import stored_shapes, unfuse
 
 
@@ -273,9 +272,9 @@ def load_safe(data: bytes) -> Any:
 
 
 # -- random number generators: one state per rank -------------------------------------
-def rng_state(model: nn.Module | None = None) -> dict[str, Any]:
-    """Python's, NumPy's, torch's CPU and (if any) CUDA generators' states, and the
-    tensor-parallel random streams of ``model`` if it has them."""
+def rng_state() -> dict[str, Any]:
+    """Python's, NumPy's, torch's CPU and (if any) CUDA generators' states (tensor-
+    parallel regions draw from generators derived from these: ``parallel/tensor/rng.py``)."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = cast(tuple[str, Any, int, int, float],
                                               np.random.get_state())
@@ -285,13 +284,12 @@ def rng_state(model: nn.Module | None = None) -> dict[str, Any]:
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    streams = rng.streams_of(model) if model is not None else None
-    if streams is not None:
-        state["tensor_parallel"] = streams.state_dict()
     return state
 
 
-def set_rng_state(state: dict[str, Any], model: nn.Module | None = None) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved (a checkpoint's ``tensor_parallel`` streams,
+    written before regions derived their generators, have nothing left to restore)."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
     n = state["numpy"]
@@ -300,6 +298,3 @@ def set_rng_state(state: dict[str, Any], model: nn.Module | None = None) -> None
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    streams = rng.streams_of(model) if model is not None else None
-    if streams is not None and "tensor_parallel" in state:
-        streams.load_state_dict(state["tensor_parallel"])

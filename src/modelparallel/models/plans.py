@@ -49,22 +49,27 @@ def _reference_block(block: Block, o: TPOptions) -> TPPlan:
                    "attn": gather, "mlp": gather}
     else:
         styles["attn"] = shared_input()
+    # attention dropout acts on each rank's heads; with sequence parallelism the MLP's
+    # output dropout acts on each rank's positions
+    rng = {"attn": SHARDED} | ({"mlp.dropout": SHARDED} if o.sequence_parallel else {})
     return TPPlan(styles=styles,
                   sizes={"attention heads": block.attn.n_heads,
                          "MLP width": block.mlp.fc_in.out_features},
-                  rng={"attn": SHARDED}, sequence_parallel=True)
+                  rng=rng, sequence_parallel=True)
 
 
 @builtin(GPT)
 def _reference_gpt(model: GPT, o: TPOptions) -> TPPlan:
     styles = {"tok_emb": vocab_embedding(o), "lm_head": lm_head(o)}
     sizes = {"vocabulary": model.cfg.vocab_size}
+    rng = {}
     if o.sequence_parallel:
         styles |= {"pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0),
                                               use_local_output=False),
                    "ln_f": SequenceParallel()}
         sizes["positions"] = model.cfg.max_seq_len
-    return TPPlan(styles=styles, sizes=sizes, sequence_parallel=True)
+        rng["drop"] = SHARDED  # the embeddings' dropout acts on each rank's positions
+    return TPPlan(styles=styles, sizes=sizes, rng=rng, sequence_parallel=True)
 
 
 @builtin(ViT)

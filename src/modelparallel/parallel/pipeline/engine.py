@@ -208,7 +208,9 @@ class PipelineEngine:
         trace, error = None, None
         if ctx.rank == 0:  # one rank's timings for all: every rank must choose the same split
             try:
-                with deferred.stand_ins(self.module):  # delayed parameters: zero views
+                # the traced forwards' dropout must not move this rank's generators alone
+                devices = [device] if (device := ctx.device).type == "cuda" else []
+                with deferred.stand_ins(self.module), torch.random.fork_rng(devices):
                     trace = tracing.trace(self.module, args, kwargs)
             except Exception as e:  # raised on every rank, not only here
                 error = e

@@ -2,22 +2,36 @@
 
 The ranks of a tensor-parallel group compute one model, so where activations are
 replicated over them they must draw the same dropout masks, and where activations are
-split (attention heads between a column- and a row-parallel layer) each must draw its
-own. Three streams:
+split (attention heads between a column- and a row-parallel layer, sequence shards
+under sequence parallelism) each must draw its own. The rule (docs/tensor-parallel.md,
+"Random numbers"):
 
-- outside any marked region: the script's global generator. ``transform`` gives every
-  rank of a group its first rank's generator state, so masks agree even when a script
-  seeds with ``seed + rank``; with the same seed as one process they are the masks one
-  process draws on the group's concatenated batch (SMP v2: "matching non-TP results").
-- regions a plan marks ``REPLICATED``: a generator seeded with ``tensor_parallel_seed``
-  (SMP v1), the same on every rank.
-- regions a plan marks ``SHARDED``: a generator seeded with ``random_seed`` plus the
-  tensor-parallel rank (and 1000 x the pipeline rank): each rank its own masks (SMP v2).
+- outside any marked region the script's generator draws. ``transform`` gives every
+  rank of a group its first rank's generator state, so the group draws alike even when
+  a script seeds with ``seed + rank``.
+- each entry into a region a plan marks draws from a generator seeded with a hash of
+  the generator state at the entry, the region's name, its kind and seed (``SHARDED``:
+  ``random_seed`` and the tensor-parallel rank; ``REPLICATED``: ``tensor_parallel_seed``)
+  and the data-parallel rank. The state at the entry is moved on to another hash of it,
+  so a second entry never repeats the first's masks, and put back at the exit.
+- each forward of the transformed model leaves the script's generator at a hash of the
+  state it started from, whatever the regions drew: the pipeline stages of a model hold
+  different regions but stay in step (a ``DataLoader`` that shuffles with the global
+  generator reads the same order on every stage).
 
-Module hooks switch streams on entry and restore on exit, so regions nest.
+Everything a region draws is a function of the generator state at its entry. Activation
+checkpointing (torch's ``checkpoint`` reentrant or not, the wrappers built on it,
+Hugging Face's ``gradient_checkpointing_enable``) restores that state before it
+recomputes, so the recomputation draws exactly the forward's masks; no stream state is
+kept aside that a recomputation could find already advanced. Module hooks enter and
+leave the regions, so they nest.
 """
 
 from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,84 +39,126 @@ from torch import nn
 
 from modelparallel.parallel.tensor.plans import REPLICATED, SHARDED
 
-GLOBAL = "global"
+_State = tuple[torch.Tensor, torch.Tensor | None]
 
 
-class RNGStreams:
-    """The generator states of this rank's streams; the current one is the live global
-    generator, the others are kept aside."""
+@dataclass(frozen=True)
+class RegionSeeds:
+    """What tells apart the masks of ranks and regions, besides the generator state."""
 
-    def __init__(self, sharded_seed: int, replicated_seed: int, device: torch.device):
+    random_seed: int  # SHARDED regions (SMP v2's ``random_seed``)
+    tensor_parallel_seed: int  # REPLICATED regions (SMP v1's ``tensor_parallel_seed``)
+    tp_rank: int
+    dp_rank: int  # this rank's data-parallel replica (its own samples)
+
+    def key(self, kind: str, path: str) -> bytes:
+        parts: tuple[object, ...] = (kind, self.tensor_parallel_seed, self.dp_rank, path)
+        if kind == SHARDED:
+            parts = (kind, self.random_seed, self.tp_rank, self.dp_rank, path)
+        return repr(parts).encode()
+
+
+@dataclass
+class _Open:
+    """A region or forward in progress."""
+
+    resume: int  # the seed the enclosing generator goes on with when it ends
+    # in a SHARDED region: the chain REPLICATED regions inside it derive from, which is
+    # equal on every rank of the group (the live generator is this rank's own there)
+    replicated: int | None = None
+
+
+class RegionRandomness:
+    """Seeds the live generators (CPU, and the CUDA device's if the model is there) for
+    the regions of one transformed model."""
+
+    def __init__(self, seeds: RegionSeeds, device: torch.device):
+        self.seeds = seeds
         self.device = device if device.type == "cuda" else None
-        saved = self._get()
-        self.states = {}
-        for stream, seed in ((SHARDED, sharded_seed), (REPLICATED, replicated_seed)):
-            torch.manual_seed(seed)
-            self.states[stream] = self._get()
-        self._set(saved)
-        self.current = GLOBAL
-        self._stack: list[str] = []
+        self._open: list[_Open] = []
 
-    def _get(self):
+    # -- the live generators ----------------------------------------------------------
+    def _state(self) -> _State:
         cuda = torch.cuda.get_rng_state(self.device) if self.device is not None else None
         return torch.get_rng_state(), cuda
 
-    def _set(self, states) -> None:
-        cpu, cuda = states
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            assert self.device is not None  # a CUDA state is taken only with a CUDA device
-            torch.cuda.set_rng_state(cuda, self.device)
+    def _seed(self, seed: int) -> None:
+        torch.default_generator.manual_seed(seed)
+        if self.device is not None:
+            index = self.device.index if self.device.index is not None else \
+                torch.cuda.current_device()
+            torch.cuda.default_generators[index].manual_seed(_mix(seed, b"cuda"))
 
-    def enter(self, stream: str) -> None:
-        self._stack.append(self.current)
-        self._switch(stream)
+    def _hash(self, *extra: bytes) -> int:
+        """A seed from the live generators' state (read, not advanced) and ``extra``."""
+        cpu, cuda = self._state()
+        h = hashlib.blake2b(cpu.numpy().tobytes(), digest_size=8)
+        if cuda is not None:
+            h.update(cuda.numpy().tobytes())
+        for part in extra:
+            h.update(b"|" + part)
+        return int.from_bytes(h.digest(), "little") >> 1  # a non-negative 63-bit seed
+
+    def _sharded(self) -> _Open | None:
+        return next((o for o in reversed(self._open) if o.replicated is not None), None)
+
+    # -- hooks --------------------------------------------------------------------------
+    def enter(self, kind: str, path: str) -> None:
+        key = self.seeds.key(kind, path)
+        outer = self._sharded()
+        basis = None  # inside a SHARDED region: the group's chain, advanced for the next
+        if outer is not None and outer.replicated is not None:
+            basis, outer.replicated = outer.replicated, _mix(outer.replicated, b"next")
+        region = _mix(basis, key) if kind == REPLICATED and basis is not None \
+            else self._hash(key)
+        chain = None
+        if kind == SHARDED:
+            chain = _mix(basis, b"replicated") if basis is not None else \
+                self._hash(b"replicated")
+        self._open.append(_Open(resume=self._hash(b"after region"), replicated=chain))
+        self._seed(region)
 
     def exit(self) -> None:
-        self._switch(self._stack.pop())
+        self._seed(self._open.pop().resume)
 
-    def _switch(self, stream: str) -> None:
-        if stream == self.current:
-            return
-        self.states[self.current] = self._get()
-        self._set(self.states.pop(stream))
-        self.current = stream
+    def forward_started(self) -> None:
+        self._open.append(_Open(resume=self._hash(b"after forward")))
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The kept-aside streams' CPU states (outside any region, for checkpoints)."""
-        if self.current != GLOBAL:
-            raise RuntimeError("RNG streams are saved between forwards, not inside one")
-        return {name: cpu for name, (cpu, _) in self.states.items()}
-
-    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
-        for name, cpu in states.items():
-            self.states[name] = (cpu, self.states[name][1])
+    def forward_ended(self) -> None:
+        if self._open:  # (a forward hook runs even when the pre-hook's forward raised)
+            self._seed(self._open.pop().resume)
 
 
-_STREAMS_ATTR = "_mp_rng_streams"
+def _mix(seed: int, salt: bytes) -> int:
+    h = hashlib.blake2b(seed.to_bytes(8, "little") + salt, digest_size=8)
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
-def install_regions(root: nn.Module, regions: dict[str, str], streams: RNGStreams) -> None:
-    """Hook every module named in ``regions`` (path -> stream) to run in its stream; the
-    streams are kept on ``root`` (see :func:`streams_of`)."""
-    for path, stream in regions.items():
-        if stream not in (SHARDED, REPLICATED):
-            raise ValueError(f"rng region {path!r}: stream must be {SHARDED!r} or "
-                             f"{REPLICATED!r}, not {stream!r}")
+def install_regions(root: nn.Module, regions: dict[str, str], seeds: RegionSeeds,
+                    device: torch.device) -> RegionRandomness:
+    """Hook every module named in ``regions`` (path -> ``SHARDED`` or ``REPLICATED``) to
+    draw from its region's generator, and ``root``'s forward to leave the script's
+    generator at a state that depends only on the one it started from."""
+    randomness = RegionRandomness(seeds, device)
+    for path, kind in regions.items():
+        if kind not in (SHARDED, REPLICATED):
+            raise ValueError(f"rng region {path!r}: must be {SHARDED!r} or {REPLICATED!r}, "
+                             f"not {kind!r}")
         module = root.get_submodule(path)
-        module.register_forward_pre_hook(lambda mod, args, s=stream: streams.enter(s))
-        module.register_forward_hook(lambda mod, args, out: streams.exit(), always_call=True)
-    object.__setattr__(root, _STREAMS_ATTR, streams)
-
-
-def streams_of(model: nn.Module) -> RNGStreams | None:
-    """The tensor-parallel RNG streams ``transform`` installed on ``model`` (or on the
-    module a wrapper holds), if any."""
-    for module in model.modules():
-        streams = module.__dict__.get(_STREAMS_ATTR)
-        if streams is not None:
-            return streams
-    return None
+        module.register_forward_pre_hook(
+            lambda mod, args, k=kind, p=path: randomness.enter(k, p))
+        module.register_forward_hook(lambda mod, args, out: randomness.exit(),
+                                     always_call=True)
+    if regions:
+        root.register_forward_pre_hook(lambda mod, args: randomness.forward_started())
+        root.register_forward_hook(lambda mod, args, out: randomness.forward_ended(),
+                                   always_call=True)
+        if device.type == "cpu":
+            # sequence-parallel dropout acts on DTensors; on a CPU mesh torch runs it on
+            # the local shard with the live generator, which the regions seed per rank
+            warnings.filterwarnings("ignore", message="DTensor random operators may not "
+                                    "have complete support on cpu")
+    return randomness
 
 
 def synchronize_global(group: dist.ProcessGroup, device: torch.device) -> None:

@@ -121,11 +121,11 @@ def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool
         regions |= {_join(f.path, sub): stream for sub, stream in f.plan.rng.items()}
     _retie(model, tied)
     SplitRegions(model, styled, mesh)
-    coords = ctx.topology.coordinate(ctx.rank)
-    streams = rng.RNGStreams(
-        sharded_seed=ctx.config.random_seed + coords["tp"] + 1000 * coords["pp"],
-        replicated_seed=ctx.config.tensor_parallel_seed, device=ctx.device)
-    rng.install_regions(model, regions, streams)
+    seeds = rng.RegionSeeds(random_seed=ctx.config.random_seed,
+                            tensor_parallel_seed=ctx.config.tensor_parallel_seed,
+                            tp_rank=ctx.coordinate("tp"),
+                            dp_rank=ctx.topology.rank_in(ctx.rank, CommGroup.RDP_GROUP))
+    rng.install_regions(model, regions, seeds, ctx.device)
     if ctx.config.prescaled_batch:
         batch.check_same_batch_once(model, tp_group)
     else:
