@@ -15,6 +15,7 @@ import modelparallel_compat
 from modelparallel import data, models  # models: registers the built-in TP plans
 from modelparallel.checkpoint import CheckpointError
 from modelparallel.config import Config, ConfigError
+from modelparallel.data.tokens import global_token_count
 from modelparallel.parallel.activation import set_activation_checkpointing
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.clip import clip_grad_norm_
@@ -143,6 +144,7 @@ __all__ = [
     "get_tp_group",
     "get_tp_process_group",
     "get_world_process_group",
+    "global_token_count",
     "init",
     "is_initialized",
     "is_tracing",

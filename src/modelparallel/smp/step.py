@@ -8,6 +8,7 @@ from collections.abc import Callable, Collection, Mapping
 import torch
 import torch.utils._pytree as pytree
 
+from modelparallel.data.tokens import counting_step
 from modelparallel.parallel.pipeline.microbatch import collect_step_outputs, split_step_inputs
 from modelparallel.parallel.pipeline.runtime import Microbatch, running_microbatch
 from modelparallel.smp import registry
@@ -37,7 +38,8 @@ def step(fn: Callable | None = None, *, non_split_inputs: Collection[str] = (),
                                        non_split_inputs=non_split_inputs,
                                        input_split_axes=input_split_axes)
             mbs = [Microbatch(i, fn, a, k) for i, (a, k) in enumerate(pieces)]
-            results = model.engine.run_step(mbs)
+            with counting_step(pieces):  # mp.global_token_count counts the whole step
+                results = model.engine.run_step(mbs)
             model.run_post_step_hooks(registry.optimizer())
             if detach_outputs:
                 results = pytree.tree_map(

@@ -20,6 +20,8 @@ from torch._subclasses.fake_tensor import is_fake  # the planner's tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from modelparallel.parallel import token_count
+
 
 class DifferentBatchError(RuntimeError):
     """The ranks of one tensor-parallel group were given different inputs."""
@@ -35,10 +37,12 @@ def gather_batches(model: nn.Module, mesh: DeviceMesh) -> None:
 
     Inputs: every tensor whose first dimension is the batch size (that of the first
     tensor argument) is all-gathered along it; other arguments pass unchanged and must
-    be the same on every rank. Outputs: every tensor with the gathered batch size as its
-    first dimension is cut to this rank's rows. Its gradient is all-gathered in backward
-    and divided by the degree, so each rank's loss counts as one data-parallel replica's
-    (the same gradient as ``tp`` data-parallel ranks, each on its own batch).
+    be the same on every rank; a ``mp.global_token_count`` divisor is multiplied by the
+    degree (a loss the model computes sums the group's rows in one place). Outputs:
+    every tensor with the gathered batch size as its first dimension is cut to this
+    rank's rows. Its gradient is all-gathered in backward and divided by the degree, so
+    each rank's loss counts as one data-parallel replica's (the same gradient as ``tp``
+    data-parallel ranks, each on its own batch).
     """
     degree = mesh.size()
     rows: list[int] = []  # batch size of the forward in flight, per rank
@@ -58,7 +62,10 @@ def gather_batches(model: nn.Module, mesh: DeviceMesh) -> None:
                 "must be the same size: use drop_last=True in the data loader, or "
                 "prescaled_batch=True and pass the same batch on every rank of the group")
         rows.append(batch)
-        leaves = [_all_gather_rows(t, mesh) if _batched(t) and t.shape[0] == batch else t
+        leaves = [_all_gather_rows(t, mesh) if _batched(t) and t.shape[0] == batch
+                  # a loss inside the model sums the group's rows in one place
+                  else token_count.for_gathered_rows(t, degree)
+                  if token_count.is_divisor(t) else t
                   for t in leaves]
         return pytree.tree_unflatten(leaves, spec)
 
