@@ -39,10 +39,16 @@ def metrics_case(config, kind, jsonl):
             "param_bytes": param_bytes, "local_loss": loss.item()}
 
 
+# FSDP's step also all-reduces, over the data-parallel ranks, two int32 flags per
+# parameter (which ones some rank used: parallel/unused_grads.py): 2 x 3/4 x 32 bytes
+FLAGS = 2 * 3 / 4 * 2 * 4 * 4 / (4 * 64 * 64 * 4)
+
+
 @pytest.mark.parametrize(("config", "kind", "expected"), [
     ({"hybrid_shard_degree": 1}, "ddp", {"dp_replicate": 2 * 3 / 4}),
-    ({}, "fsdp", {"dp_shard": 3 * 3 / 4}),
-    ({"hybrid_shard_degree": 2}, "fsdp", {"dp_shard": 3 * 1 / 2, "dp_replicate": 2 / 2 * 1 / 2}),
+    ({}, "fsdp", {"dp_shard": 3 * 3 / 4 + FLAGS}),
+    ({"hybrid_shard_degree": 2}, "fsdp", {"dp_shard": 3 * 1 / 2, "dp_replicate": 2 / 2 * 1 / 2,
+                                          "dp": FLAGS}),
 ])
 def test_collective_bytes_match_theory(workers, tmp_path, config, kind, expected):
     jsonl = tmp_path / "metrics.jsonl"

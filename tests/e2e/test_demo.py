@@ -20,7 +20,9 @@ def test_gpt_demo_learns(modelparallel, tmp_path):
     assert after < before - 1.0
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(lines) == 30
-    assert set(lines[-1]["comm_bytes"]) == {"dp_shard", "dp_replicate"}
+    # (and FSDP's per-step flags of parameters used, a few bytes over all of them)
+    assert {k for k, v in lines[-1]["comm_bytes"].items() if v > 4096} == \
+        {"dp_shard", "dp_replicate"}
 
 
 def test_gpt_demo_learns_with_tensor_parallelism(modelparallel, tmp_path):

@@ -18,8 +18,10 @@ def test_json_has_every_rank_its_memory_parts_and_the_bytes_per_group(modelparal
         parts = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] + r["activation_bytes"]
         assert r["peak_bytes"] == parts > 0
         assert r["optimizer_bytes"] > 2 * r["param_bytes"] - 1024  # AdamW: two moments + steps
-        assert set(r["comm_bytes"]) == {"tp", "dp_shard"}
-    assert set(plan["comm_bytes_per_step"]) == {"tp", "dp_shard"}
+        # rdp: FSDP's per-step flags of parameters used (parallel/unused_grads.py)
+        assert set(r["comm_bytes"]) == {"tp", "dp_shard", "rdp"}
+        assert r["comm_bytes"]["rdp"] < 1024 < r["comm_bytes"]["dp_shard"]
+    assert set(plan["comm_bytes_per_step"]) == {"tp", "dp_shard", "rdp"}
     assert plan["estimate"]["step_s"] > 0
 
 

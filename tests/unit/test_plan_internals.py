@@ -56,7 +56,7 @@ def test_scalar_policy_answers_a_healthy_step_and_refuses_other_integers():
 def test_pipeline_warmup_vote_is_where_the_planner_answers_it():
     from torch.distributed.pipelining import schedules
 
-    (suffix, function), = KNOWN_INTEGERS
+    (suffix, function), = (k for k in KNOWN_INTEGERS if k[0].startswith("torch/"))
     assert schedules.__file__.endswith(suffix)
     source = inspect.getsource(getattr(schedules.PipelineScheduleSingle, function))
     assert "result.item() == 1" in source and "InferenceMode.STATIC" in source
@@ -102,3 +102,11 @@ def test_gloo_runs_a_groups_work_on_the_threads_the_tracker_assumes():
     from modelparallel.plan.tracker import GLOO_THREADS
 
     assert dist.ProcessGroupGloo._Options()._threads == GLOO_THREADS
+
+
+def test_the_unused_parameter_flags_are_where_the_planner_answers_them():
+    from modelparallel.parallel import unused_grads
+
+    (suffix, function), = (k for k in KNOWN_INTEGERS if k[0].startswith("modelparallel/"))
+    assert unused_grads.__file__.endswith(suffix)
+    assert ".tolist()" in inspect.getsource(getattr(unused_grads.UnusedGradients, function))

@@ -48,8 +48,11 @@ class StepRecord:
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:9.0f} tokens/s")
         parts.append(f"mem {self.peak_memory_bytes / 2**20:.0f} MiB ({self.memory_kind})")
-        if self.comm_bytes:
-            comm = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(self.comm_bytes.items()))
+        # groups that moved under 0.005 MiB (bookkeeping: usage flags, loss averages)
+        # would print as 0.00; metrics.jsonl keeps them
+        shown = {k: v for k, v in self.comm_bytes.items() if v >= 0.005 * 2**20}
+        if shown:
+            comm = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(shown.items()))
             parts.append(f"comm {comm}")
         return " | ".join(parts)
 

@@ -53,7 +53,14 @@ from torch.distributed.tensor import DTensor
 
 from modelparallel.config import Config, ConfigError
 from modelparallel.context import ParallelContext
-from modelparallel.parallel import fsdp1_limits, fsdp1_state, fsdp1_torch
+from modelparallel.parallel import (
+    fsdp1_limits,
+    fsdp1_state,
+    fsdp1_torch,
+    replicas,
+    stale_params,
+    unused_grads,
+)
 from modelparallel.parallel.clip import fsdp1_clip_grad_norm_
 from modelparallel.parallel.precision import HALF, require_loss_scaling
 
@@ -177,9 +184,14 @@ def construct(fsdp: FullyShardedDataParallel, module: nn.Module, arguments: dict
         original_init(fsdp, module, **final)
         return
     fsdp1_limits.check_module(module, split)
+    before = dict(module.named_parameters())
     with fsdp1_torch.keep_sharded_strategy(split):
         original_init(fsdp, module, **final)
+    stale_params.record_replaced(before, fsdp, "FullyShardedDataParallel")
     _adopt(fsdp, split, ctx)
     fsdp1_limits.guard(fsdp, split, bool(final.get("use_orig_params", False)))
+    # parameters no data-parallel rank used keep no gradient, as in one process
+    unused_grads.track_fsdp1(fsdp, replicas.data_parallel_group(
+        ctx, ctx.topology.tp > 1 and not split), ctx.device)
     if ctx.config.half_precision == "fp16":
         require_loss_scaling(fsdp)

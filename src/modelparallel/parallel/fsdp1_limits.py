@@ -1,8 +1,13 @@
-"""What torch's FSDP1 cannot do on the layouts modelparallel gives it: said up front.
+"""What torch's FSDP1 cannot do on the layouts modelparallel gives it: said up front,
+or made to work.
 
 Each check turns a torch failure deep inside FSDP1 (or a silently wrong model) into a
 ``ConfigError`` naming the cause and the way out, raised the same way on every rank
 before FSDP1 runs a collective or, for what the script does later, when it does it.
+:func:`_grad_views` keeps the gradients of a tensor-parallel model sharded over
+one-rank groups where backward can accumulate onto them, so any order of
+``zero_grad``, forward, backward and step, and accumulation over several backward
+passes, train as in one process.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.fsdp._flat_param import FlatParamHandle
 
 from modelparallel.config import ConfigError
 from modelparallel.parallel.tensor.transform import tied_groups
@@ -37,9 +43,12 @@ def check_module(module: nn.Module, split: bool) -> None:
 
 def guard(model: FullyShardedDataParallel, split: bool, use_orig_params: bool) -> None:
     """After construction: what the script may do later that FSDP1 cannot follow."""
-    if split and model.world_size == 1:
-        model.register_forward_pre_hook(_no_accumulation, prepend=True)
     if split and use_orig_params:
+        for unit in FullyShardedDataParallel.fsdp_modules(model):
+            handle = unit._handle  # private: the unit's FlatParamHandle
+            if handle is not None and handle.uses_sharded_strategy and unit.world_size == 1:
+                handle._mp_one_rank_shard = True  # type: ignore[attr-defined]  # _grad_views
+        FlatParamHandle._use_unsharded_grad_views = _grad_views  # type: ignore[method-assign]
         model.no_sync = functools.partial(  # type: ignore[method-assign]
             _synchronised_no_sync, model)
     shared = bool(tied_groups(model.module))
@@ -49,14 +58,25 @@ def guard(model: FullyShardedDataParallel, split: bool, use_orig_params: bool) -
             _no_sync_refused, model.mixed_precision.param_dtype)
 
 
-def _no_accumulation(module: nn.Module, args: Any) -> None:
-    if any(p.grad is not None for p in module.parameters()):
-        raise ConfigError([("hybrid_shard_degree", (
-            "gradients from an earlier backward are still there: FSDP1 cannot accumulate "
-            "gradients over several backward passes of a tensor-parallel model when each of "
-            "its shard groups has one rank (hybrid_shard_degree 1, or one data-parallel "
-            "rank); call optimizer.zero_grad() after each step, shard over more ranks "
-            "(hybrid_shard_degree >= 2 or 0), or use mp.shard() (FSDP2)"))])
+# private: FSDP1's FlatParamHandle, and its method that points the original parameters'
+# gradients into the unsharded flat gradient (tested by tests/distributed/
+# test_fsdp1_grad_orders.py, which fails if torch changes it)
+_torch_unsharded_grad_views = FlatParamHandle._use_unsharded_grad_views
+
+
+def _grad_views(handle: Any) -> None:
+    """A tensor-parallel unit sharded over one rank (``fsdp1_torch.keep_sharded_strategy``)
+    has a sharded gradient of the unsharded size, which FSDP1 takes, after a forward, for
+    one ``no_sync()`` kept unsharded (never kept here: ``_synchronised_no_sync``). It then
+    pointed the original parameters' gradients at tensor-parallel views of it that its
+    next backward cannot write back ("invalid python storage") and ``zero_grad(set_to_none=
+    False)`` ends the process on: every backward after one whose gradients were not set
+    to None. They stay on the sharded gradient, as with more ranks."""
+    flat = handle.flat_param
+    if getattr(handle, "_mp_one_rank_shard", False) and flat.grad is not None \
+            and not hasattr(flat, "_saved_grad_shard"):  # set when gathered on purpose
+        return
+    _torch_unsharded_grad_views(handle)
 
 
 @contextlib.contextmanager

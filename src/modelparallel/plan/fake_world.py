@@ -85,6 +85,8 @@ def forget_sharding_caches() -> None:
 KNOWN_INTEGERS = {
     # our stages are built without example shapes: torch infers them (DYNAMIC, 0)
     ("torch/distributed/pipelining/schedules.py", "_warmup_p2p"): 0,
+    # FSDP's per-step flags of parameters used: every rank used every one
+    ("modelparallel/parallel/unused_grads.py", "settle"): 1,
 }
 
 

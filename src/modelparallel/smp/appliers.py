@@ -11,8 +11,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from modelparallel.observe.fit_check import warn_if_state_cannot_fit
+from modelparallel.parallel import replicas, sharding, stale_params, unused_grads
 from modelparallel.parallel import replicate as replicating
-from modelparallel.parallel import sharding
 from modelparallel.parallel.blocks import BlockSpec
 from modelparallel.parallel.tensor import transform as splitting  # the module
 from modelparallel.smp.moe import NOT_SUPPORTED as MOE_NOT_SUPPORTED
@@ -38,9 +38,11 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     if cp_comm_type != "p2p" and ctx.rank == 0:
         logger.info("transform(cp_comm_type=%r) has no effect: context parallelism is not "
                     "built (context_parallel_degree is 1)", cp_comm_type)
+    before = dict(model.named_parameters())
     model = splitting.transform(model, ctx, sequence_parallel=sequence_parallel,
                                 loss_parallel=loss_parallel, device=device, dtype=dtype,
                                 weights_from_rank0=load_state_dict_from_rank0)
+    stale_params.record_replaced(before, model, "mp.transform()")
     if ctx.topology.dp_shard == 1:  # else the sharding that follows checks
         warn_if_state_cannot_fit(model, ctx.rank, ctx.device, "mp.transform")
     return model
@@ -49,15 +51,28 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
 def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: bool | None = None,
           mp_policy: MixedPrecisionPolicy | None = None, **fully_shard_kwargs: Any) -> nn.Module:
     ctx = state.require("mp.shard()").context
+    group = replicas.data_parallel_group(ctx, splitting.tp_ranks_are_replicas(
+        model, ctx.topology.tp))
+    before = dict(model.named_parameters())
     model = sharding.shard(model, ctx, blocks=blocks, reshard_after_forward=reshard_after_forward,
                            mp_policy=mp_policy, **fully_shard_kwargs)
+    stale_params.record_replaced(before, model, "mp.shard()")
+    # parameters no data-parallel rank used keep no gradient, as in one process
+    unused_grads.track_fsdp2(model, group, ctx.device)
     warn_if_state_cannot_fit(model, ctx.rank, ctx.device, "mp.shard")
     return model
 
 
 def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
     ctx = state.require("mp.replicate()").context
-    return replicating.replicate(model, ctx, **ddp_kwargs)
+    group = replicas.data_parallel_group(ctx, splitting.tp_ranks_are_replicas(
+        model, ctx.topology.tp))
+    before = dict(model.named_parameters())
+    model = replicating.replicate(model, ctx, **ddp_kwargs)
+    stale_params.record_replaced(before, model, "mp.replicate()")  # DDP: none
+    # a tensor-parallel model's replicas are FSDP2's (DDP finds unused parameters itself)
+    unused_grads.track_fsdp2(model, group, ctx.device)
+    return model
 
 
 transform.__doc__ = (splitting.transform.__doc__ or "") + """

@@ -67,8 +67,9 @@ class ModelOptions:
             say("DistributedModel(bucket_cap_mb=%s) has no effect: replicas all-reduce a "
                 "stage's gradients as one flat tensor, FSDP per unit", self.bucket_cap_mb)
         if self.find_unused_parameters:
-            say("DistributedModel(find_unused_parameters=True) has no effect: a parameter "
-                "without a gradient joins the all-reduce with zeros, so none is waited for")
+            say("DistributedModel(find_unused_parameters=True) has no effect: unused "
+                "parameters are always found (a rank's joins the reduction with zeros; "
+                "one no replica used keeps no gradient)")
         if self.gradient_as_bucket_view:
             say("DistributedModel(gradient_as_bucket_view=True) has no effect: there are no "
                 "DDP buckets; gradients are reduced in place")

@@ -26,7 +26,7 @@ from torch import nn
 
 from modelparallel.context import ParallelContext
 from modelparallel.observe.fit_check import warn_if_state_cannot_fit
-from modelparallel.parallel import deferred, parallelize
+from modelparallel.parallel import deferred, parallelize, replicas, stale_params, unused_grads
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.pipeline import cut, schedules
 from modelparallel.parallel.pipeline import trace as tracing
@@ -240,8 +240,15 @@ class PipelineEngine:
         before = dict(self.module.named_parameters(remove_duplicate=False))
         done = parallelize.parallelize(self.module, units, self.ctx)
         self.gradients.fsdp, self.gradients.tp_replicas = done.fsdp, done.tp_replicas
+        if done.fsdp:  # parameters no replica used keep no gradient (as GradientSync's)
+            unused_grads.track_fsdp2(self.module, replicas.data_parallel_group(
+                self.ctx, done.tp_replicas), self.ctx.device)
         after = dict(self.module.named_parameters(remove_duplicate=False))
         self.replaced = {id(before[n]): p for n, p in after.items() if p is not before[n]}
+        stale_params.record_replaced(
+            before, self.module, "mp.DistributedModel's first step",
+            "wrap the optimizer in mp.DistributedOptimizer, which follows the split, or "
+            "build it after the first step from model.local_parameters()")
         self.local = {n: p for n, p in after.items() if not is_meta(p)}
         warn_if_state_cannot_fit(self.module, self.ctx.rank, self.ctx.device,
                                  "DistributedModel")

@@ -4,12 +4,15 @@
   its forward) gets the sum of their gradients, over a group of exactly those ranks.
 - Every other gradient is averaged over the data-parallel replicas (with the
   tensor-parallel ranks when they hold the model whole), unless FSDP already did.
+- A parameter a rank did not use joins both with zeros; one that no rank of the group
+  used keeps no gradient, as in one process (FSDP's: ``unused_grads``).
 - With ``backward_passes_per_step`` > 1 both happen at the last pass of a run only;
   FSDP is told to skip its reduction on the others.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -120,21 +123,28 @@ class GradientSync:
 def all_reduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup,
                      scale: float = 1.0) -> None:
     """Sum (times ``scale``) this rank's part of the parameters' gradients over ``group``,
-    as one flat tensor. A parameter this rank's step did not use (a model parameter read
-    before the first layer, on a later pipeline stage) joins with a zero gradient: every
-    rank must pass the same sizes, and the others' gradients are its too."""
+    as one flat tensor. A parameter this rank's step did not use (a branch its batch
+    did not take; a model parameter read before the first layer, on a later pipeline
+    stage) joins with a zero gradient: every rank must pass the same sizes, and the
+    others' gradients are its too. One that no rank of ``group`` used keeps no gradient,
+    as in one process (an optimizer skips it: no weight decay, no state): a flag per
+    parameter, whether this rank has its gradient, rides in the same all-reduce."""
     params = [p for p in params if p.requires_grad]
-    for p in params:  # e.g. a vocab-parallel embedding's gradient comes back replicated
-        if p.grad is None:
+    if not params:
+        return
+    missing = [p.grad is None for p in params]
+    for p, absent in zip(params, missing, strict=True):
+        if absent:
             p.grad = torch.zeros_like(p)
         elif isinstance(p.grad, DTensor) and isinstance(p, DTensor) and \
-                p.grad.placements != p.placements:
-            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                p.grad.placements != p.placements:  # e.g. a vocab-parallel embedding's
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # comes back whole
     grads = [g.to_local() if isinstance(g, DTensor) else g
              for g in (p.grad for p in params) if g is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    dtype = functools.reduce(torch.promote_types, [g.dtype for g in grads])
+    had = torch.tensor([0.0 if absent else 1.0 for absent in missing], dtype=dtype,
+                       device=grads[0].device)
+    flat = torch.cat([*(g.reshape(-1) for g in grads), had])
     dist.all_reduce(flat, group=group)
     if scale != 1.0:
         flat *= scale
@@ -142,3 +152,8 @@ def all_reduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup,
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+    if any(missing):  # reads the flags back (a device sync) only when some are missing
+        anywhere = (flat[offset:] > 0).tolist()
+        for p, absent, used in zip(params, missing, anywhere, strict=True):
+            if absent and not used:
+                p.grad = None
