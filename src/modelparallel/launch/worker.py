@@ -31,6 +31,25 @@ COLLECTIVE_TIMEOUT = re.compile(r"timed out waiting \d+ ?ms for \w+ operation|"
                                 r"collective operation timeout", re.IGNORECASE)
 
 
+# What torch's clip_grad_norm_ raises over gradients it cannot add up: DTensors on several
+# meshes (stacking their norms), or DTensors with plain tensors.
+TORCH_CLIP_MIXED = re.compile(r"must have the same mesh|got mixed torch\.Tensor and DTensor")
+TORCH_CLIP_FUNCTIONS = {"clip_grad_norm_", "get_total_norm", "_get_total_norm"}
+
+
+def torch_clip_hint(error: BaseException) -> str | None:
+    """The one line for torch's ``clip_grad_norm_`` failing on a model whose gradients it
+    cannot add up (tensor parallelism without one mesh for all parameters), or None."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not TORCH_CLIP_MIXED.search(str(error)) or not any(
+            f.name in TORCH_CLIP_FUNCTIONS and "clip_grad" in f.filename for f in frames):
+        return None
+    return ("torch.nn.utils.clip_grad_norm_ cannot add up this model's gradient norms (its "
+            "parameters are DTensors on several meshes, or DTensors and plain tensors): call "
+            "mp.clip_grad_norm_(model, max_norm) (SMP v2: torch.sagemaker.grad_norm."
+            "clip_grad_norm_), which returns the global norm of any layout")
+
+
 def _user_frames(error: BaseException, script: str):
     """The traceback from the first frame of the user's script on."""
     tb = error.__traceback__
@@ -160,11 +179,15 @@ def main() -> None:
                 error.add_note(timeout_hint())
             else:
                 diagnosis += "\n" + timeout_hint()
+        hint = torch_clip_hint(error)
+        if hint is not None:
+            error.add_note(hint)
         formatted = "".join(traceback.format_exception(
             type(error), error, _user_frames(error, script)))
         # the launcher prints it once for all ranks (its summary); the worker's log keeps
         # the whole traceback
-        write_error_file(f"{type(error).__name__}: {error}", formatted, user_line, diagnosis)
+        write_error_file(f"{type(error).__name__}: {hint or error}", formatted, user_line,
+                         diagnosis)
         if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
             sys.stderr.write(formatted)
         _exit(1)

@@ -24,7 +24,9 @@ def clip_grad_norm_(model: nn.Module | Iterable[torch.Tensor], max_norm: float,
     one collective per mesh; plain gradients (replicated) count once; a pipeline-split
     ``DistributedModel`` adds up its stages (a parameter several stages hold counts
     once). An FSDP1 model uses its own ``clip_grad_norm_`` (:func:`fsdp1_clip_grad_norm_`
-    when it holds tensor-parallel parameters). Same arguments as
+    when it holds tensor-parallel parameters); a module that holds FSDP1 units inside
+    (torch's ``offload_wrapper`` or ``checkpoint_wrapper`` around the FSDP1 root, as
+    SMP v2's scripts have it) uses :func:`fsdp1_clip_grad_norm_`. Same arguments as
     ``torch.nn.utils.clip_grad_norm_``; the returned norm is a plain tensor, equal on
     every rank.
     """
@@ -33,6 +35,9 @@ def clip_grad_norm_(model: nn.Module | Iterable[torch.Tensor], max_norm: float,
             return fsdp1_clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite,
                                          foreach)
         return model.clip_grad_norm_(max_norm, norm_type)
+    if isinstance(model, nn.Module) and any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return fsdp1_clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite, foreach)
     stages = None
     if hasattr(model, "grad_norm_parts"):  # a DistributedModel: counted part, stage group
         counted, params, stages = model.grad_norm_parts()  # type: ignore[operator]
@@ -58,16 +63,17 @@ def clip_grad_norm_(model: nn.Module | Iterable[torch.Tensor], max_norm: float,
     return total
 
 
-def fsdp1_clip_grad_norm_(model: FullyShardedDataParallel, max_norm: float,
-                          norm_type: float = 2.0, error_if_nonfinite: bool = False,
+def fsdp1_clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                          error_if_nonfinite: bool = False,
                           foreach: bool | None = None) -> torch.Tensor:
-    """``clip_grad_norm_`` of an FSDP1 model holding tensor-parallel parameters.
+    """``clip_grad_norm_`` of a module holding FSDP1 units (tensor-parallel or not).
 
     FSDP1's own sums its gradient shards over its shard group only, so each
     tensor-parallel rank counted just its own slice of every split parameter. Here each
     shard of a split parameter is summed over its tensor-parallel ranks too, replicated
     ones (plain, or DTensors replicated over ``tp``) once, and what FSDP does not shard
-    once per rank. Works for ``use_orig_params`` True and False.
+    once per rank. Works for ``use_orig_params`` True and False, on the FSDP1 root or a
+    module around it.
     """
     p = float(norm_type)
     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM

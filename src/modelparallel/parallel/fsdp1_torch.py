@@ -10,6 +10,14 @@ release moves what they use.
   parameters with ``use_orig_params=True`` (it re-creates them as new ``nn.Parameter``
   objects at every step, then fails to write them back: "Cannot writeback when the
   parameter shape changes"). A sharded strategy over one rank computes the same.
+  A hybrid strategy over one-rank shard groups stays hybrid: as ``NO_SHARD`` it skipped
+  the replicas' all-reduce but kept its divisor (torch's own ``HYBRID_SHARD`` without
+  GPUs makes such groups: one "device" per node).
+- :func:`_map_param_key_to_optim_keys`: ``FSDP.optim_state_dict`` of flat parameters
+  broadcasts the optimizer's keys from *global* rank 0 over the unit's shard group,
+  which fails ("Global rank 0 is not part of group") on every other shard group of
+  hybrid sharding; there the keys are gathered over the group instead, as torch does
+  for ``use_orig_params=True``.
 - :func:`_gather_all_orig_param_state`: the optimizer state dicts of such a one-rank
   sharded unit (``use_orig_params=True``) went through torch's shortcut for one rank,
   which returns the state as the optimizer holds it: flat 1-D pieces of the flat
@@ -78,7 +86,9 @@ _torch_init_core_state = getattr(fsdp_module, "_init_core_state", None)
 
 
 def _init_core_state(state, sharding_strategy, *args, **kwargs):
-    if not _keep_sharded.get() or sharding_strategy in (None, ShardingStrategy.NO_SHARD):
+    replicas = state.__dict__.get("_inter_node_pg")  # hybrid strategies only
+    keep = _keep_sharded.get() or (replicas is not None and replicas.size() > 1)
+    if not keep or sharding_strategy in (None, ShardingStrategy.NO_SHARD):
         return _torch_init_core_state(state, sharding_strategy, *args, **kwargs)
     with warnings.catch_warnings():  # "FSDP is switching to use `NO_SHARD` ..."
         warnings.simplefilter("ignore", UserWarning)
@@ -92,6 +102,8 @@ def install() -> None:
     gone is skipped here (the internals test names it)."""
     if _torch_init_core_state is not None:
         fsdp_module._init_core_state = _init_core_state
+    if _torch_map_optim_keys is not None:
+        fsdp_optim_utils._map_param_key_to_optim_keys = _map_param_key_to_optim_keys
     if _torch_gather_all_orig_param_state is not None and all(
             hasattr(fsdp_optim_utils, f) for f in _GATHER_STEPS):
         fsdp_optim_utils._gather_all_orig_param_state = _gather_all_orig_param_state
@@ -117,6 +129,16 @@ def keep_sharded_strategy(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _keep_sharded.reset(token)
+
+
+_torch_map_optim_keys = getattr(fsdp_optim_utils, "_map_param_key_to_optim_keys", None)
+
+
+def _map_param_key_to_optim_keys(optim_state_dict, group, *args, merge_keys=False, **kwargs):
+    if not merge_keys and group is not None and 0 not in dist.get_process_group_ranks(group):
+        merge_keys = True  # the same on every rank of the group
+    return _torch_map_optim_keys(optim_state_dict, group, *args, merge_keys=merge_keys,
+                                 **kwargs)
 
 
 # private: FSDP1's optimizer state gathering (use_orig_params), and its two steps

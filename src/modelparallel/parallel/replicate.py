@@ -14,7 +14,7 @@ from modelparallel.context import ParallelContext
 from modelparallel.parallel import replicas
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.precision import HALF, compute_in, require_loss_scaling
-from modelparallel.parallel.sharding import say_what_does_not_apply
+from modelparallel.parallel.sharding import replicate_on_tp, say_what_does_not_apply
 from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
 
 
@@ -29,9 +29,10 @@ def replicate(model: nn.Module, ctx: ParallelContext, **ddp_kwargs: Any) -> nn.M
     (each trains it on its own batch). A tensor-parallel model (DTensor parameters) is
     replicated in place by PyTorch's DTensor-aware DDP (``replicate`` built on FSDP2's
     machinery, one gradient bucket per block) and returned as it is: classic DDP does
-    not understand DTensor parameters. ``bf16``/``fp16`` make the forward and backward
-    compute in that type with float32 parameters and gradients (with ``fp16``, scale
-    the loss with :class:`mp.LossScaler`).
+    not understand DTensor parameters; its whole parameters become ``Replicate()``
+    DTensors on ``tp`` first, as under ``mp.shard`` (``sharding.replicate_on_tp``).
+    ``bf16``/``fp16`` make the forward and backward compute in that type with float32
+    parameters and gradients (with ``fp16``, scale the loss with :class:`mp.LossScaler`).
     """
     _check_replicated_layout(ctx)
     say_what_does_not_apply(ctx, "mp.replicate()")
@@ -45,6 +46,7 @@ def replicate(model: nn.Module, ctx: ParallelContext, **ddp_kwargs: Any) -> nn.M
             raise TypeError(f"mp.replicate() of a tensor-parallel model takes no DDP arguments "
                             f"(got {sorted(ddp_kwargs)})")
         replicas.synchronize(model, ctx)
+        replicate_on_tp([model], ctx.meshes["tp"])  # one mesh for torch's clip_grad_norm_
         mesh = ctx.meshes["rdp"]
         for block in blocks:
             replicate_dtensors(block, mesh=mesh)

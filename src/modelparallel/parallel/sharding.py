@@ -1,4 +1,16 @@
-"""Hybrid sharded data parallelism with FSDP2 (``fully_shard``) on the data-parallel mesh."""
+"""Hybrid sharded data parallelism with FSDP2 (``fully_shard``) on the data-parallel mesh.
+
+A model tensor parallelism split has all its parameters made DTensors on the ``tp`` mesh
+before ``fully_shard`` (as torchtitan has them): the ones it left whole become
+``Replicate()`` there, read by their modules' forwards as the local tensor through a
+parameter view (:mod:`~modelparallel.parallel.param_views`). FSDP2 then puts every
+parameter on one mesh, ``(dp_shard, tp)`` (with ``dp_replicate`` in front for HSDP), and
+torch's own ``clip_grad_norm_(model.parameters(), c)`` returns the global norm (with
+some parameters on the 1-D data-parallel mesh it failed: "All operands in
+aten.stack.default must have the same mesh"). The gradient of a replicated parameter is
+each tensor-parallel rank's own (they compute the same), or summed over ``tp`` by the
+view ``regions.py`` adds behind the local one for a parameter read inside a split region.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +19,15 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from modelparallel.config import Config
 from modelparallel.context import ParallelContext
 from modelparallel.parallel import delayed_init, replicas
 from modelparallel.parallel.blocks import BlockSpec, find_blocks
+from modelparallel.parallel.param_views import add_view
 from modelparallel.parallel.precision import HALF, require_loss_scaling
 from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
 
@@ -35,17 +50,50 @@ def fully_shard_units(units: list[nn.Module | list[nn.Module]], ctx: ParallelCon
     data-parallel mesh with the config's precision policy. When the tensor-parallel
     ranks are replicas of a whole model, FSDP's average also runs over them.
     ``materialize(module)`` runs on each unit's modules just before it is sharded
-    (delayed parameter initialization)."""
+    (delayed parameter initialization). A model tensor parallelism split has its
+    whole parameters made ``Replicate()`` DTensors on ``tp`` first (the module's
+    docstring says why)."""
     fully_shard_kwargs.setdefault("mp_policy", mixed_precision_policy(ctx.config))
     hook = replicas.average_over_tp(ctx) if tp_replicas else None
+    split = ctx.topology.tp > 1 and not tp_replicas
     for unit in units:
+        modules = unit if isinstance(unit, list) else [unit]
         if materialize is not None:
-            for module in unit if isinstance(unit, list) else [unit]:
+            for module in modules:
                 materialize(module)
+        if split:
+            replicate_on_tp(modules, ctx.meshes["tp"])
         sharded = fully_shard(unit, mesh=ctx.data_parallel_mesh(), **fully_shard_kwargs)
         if hook is not None:
             assert isinstance(sharded, FSDPModule)
             sharded.set_all_reduce_hook(hook)
+
+
+def replicate_on_tp(roots: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Make the plain parameters of ``roots`` and their submodules ``Replicate()`` DTensors
+    on the tensor-parallel ``mesh``; each module's forward reads the local tensor.
+    Parameters already DTensors (split, or sharded by an inner FSDP unit) are left."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in {id(m): m for root in roots for m in root.modules()}.values():
+        for name, p in module._parameters.items():
+            if p is not None and not isinstance(p, DTensor):
+                holders.setdefault(id(p), []).append((module, name))
+    for users in holders.values():
+        module, name = users[0]
+        old = module._parameters[name]
+        assert old is not None
+        new = nn.Parameter(DTensor.from_local(old.detach(), mesh, [Replicate()],
+                                              run_check=False), requires_grad=old.requires_grad)
+        for module, name in users:  # tied parameters stay one tensor
+            module._parameters[name] = new
+            add_view(module, _local, [name], pinned=True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What a module's forward reads of a replicated DTensor parameter: the local tensor
+    (pinned in front of the parameter's other views: the sum over ``tp`` that
+    ``regions.py`` adds for one read inside a split region then acts on it)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def shard(model: nn.Module, ctx: ParallelContext, *, blocks: BlockSpec = None,

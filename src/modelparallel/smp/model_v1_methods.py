@@ -9,11 +9,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 def _split_by_tp(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor) and "tp" in (t.device_mesh.mesh_dim_names or ())
+    """Sharded on the ``tp`` dimension (FSDP2 also puts a replicated parameter of a split
+    model there, ``Replicate()``)."""
+    return isinstance(t, DTensor) and any(
+        name == "tp" and isinstance(p, Shard)
+        for name, p in zip(t.device_mesh.mesh_dim_names or (), t.placements, strict=True))
 
 
 class V1ModelMethods:

@@ -1,0 +1,189 @@
+"""torch's own ``clip_grad_norm_(model.parameters(), c)``, what most FSDP and SMP v2
+scripts call, on a tensor-parallel model that ``mp.shard`` or ``mp.replicate`` wraps:
+one process's norm at every step, and one process's training with clipping on.
+
+Every parameter of such a model is a DTensor on one mesh (the replicated ones
+``Replicate()`` on ``tp``, ``sharding.replicate_on_tp``); before, FSDP2 put the split
+ones on ``(dp_shard, tp)`` and the others on ``dp_shard``, and torch's function failed
+("All operands in aten.stack.default must have the same mesh"). Where torch cannot add
+the norms up (DTensors and plain tensors: no data-parallel wrapper), the launcher's
+summary says in one line to call ``mp.clip_grad_norm_``.
+"""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import modelparallel as mp
+from modelparallel.data import replica_rank_and_size
+from modelparallel.models import GPT, GPTConfig
+from modelparallel.models.gpt import lm_loss
+from modelparallel.testing import TrainResult, parity_problems, token_batches, train
+
+STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 8, 16, 64
+MAX_NORM = 0.05  # below every step's norm: every step clips
+
+
+def build(arch: str) -> nn.Module:
+    torch.manual_seed(0)
+    if arch == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, d_model=64, n_layers=2,
+                             n_heads=4))
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # Qwen3: its per-head q_norm/k_norm are replicated parameters read inside a split
+    # region, whose gradients regions.py sums over the tensor-parallel ranks
+    return Logits(Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=SEQ, tie_word_embeddings=False)))
+
+
+class Logits(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).logits
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def torch_clip(norms: list[float]):
+    def clip(model: nn.Module) -> None:
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+    return clip
+
+
+def momenta(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer,
+                                     options=StateDictOptions(full_state_dict=True))["state"]
+    return {name: s["momentum_buffer"] for name, s in state.items()}
+
+
+@functools.cache
+def reference(arch: str) -> tuple[TrainResult, list[float], dict[str, torch.Tensor]]:
+    norms: list[float] = []
+    model, optimizers = build(arch), []
+    result = train(model, token_batches(STEPS, GLOBAL_BATCH, SEQ, VOCAB, seed=1),
+                   optimizer=lambda m: optimizers.append(sgd(m)) or optimizers[0],
+                   loss_fn=lm_loss, before_step=torch_clip(norms))
+    return result, norms, momenta(model, optimizers[0])
+
+
+def clip_case(config: dict, wrap: str, arch: str) -> list[str]:
+    mp.init(config)
+    model = mp.transform(build(arch))
+    model = mp.shard(model) if wrap == "shard" else mp.replicate(model)
+    norms: list[float] = []
+    optimizers: list[torch.optim.Optimizer] = []
+    result = train(model, token_batches(STEPS, GLOBAL_BATCH, SEQ, VOCAB, seed=1),
+                   optimizer=lambda m: optimizers.append(sgd(m)) or optimizers[0],
+                   loss_fn=lm_loss, replica=replica_rank_and_size(),
+                   group=mp.get_dp_process_group(), before_step=torch_clip(norms))
+    ref, ref_norms, ref_momenta = reference(arch)
+    assert all(n > MAX_NORM for n in ref_norms)
+    problems = [f"step {i}: torch's norm {a:.7f} vs one process's {b:.7f}"
+                for i, (a, b) in enumerate(zip(norms, ref_norms, strict=True))
+                if not abs(a - b) <= 1e-5 * b]
+    problems += parity_problems(result, ref)
+    problems += parity_problems(TrainResult([], momenta(model, optimizers[0])),
+                                TrainResult([], ref_momenta))
+    return problems
+
+
+def distributed_model_case(config: dict) -> list[str]:
+    """SMP v1: ``DistributedModel`` (FSDP2 units under ``hybrid_shard_degree``), torch's
+    clip between ``@smp.step`` and ``optimizer.step()``."""
+    import torch.distributed as dist
+
+    from modelparallel.testing import local_rows
+
+    mp.init(config)
+    model = mp.DistributedModel(build("gpt"))
+    optimizer = mp.DistributedOptimizer(sgd(model))
+
+    @mp.step
+    def train_step(model, x, y):
+        loss = lm_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    group = mp.get_dp_process_group()
+    losses, norms = [], []
+    for batch in token_batches(STEPS, GLOBAL_BATCH, SEQ, VOCAB, seed=1):
+        optimizer.zero_grad()
+        loss = train_step(model, *local_rows(batch, *replica_rank_and_size())).reduce_mean()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        value = loss.detach().double()
+        dist.all_reduce(value, group=group)
+        losses.append(float(value) / dist.get_world_size(group))
+    ref, ref_norms, _ = reference("gpt")
+    problems = [f"step {i}: torch's norm {a:.7f} vs one process's {b:.7f}"
+                for i, (a, b) in enumerate(zip(norms, ref_norms, strict=True))
+                if not abs(a - b) <= 1e-5 * b]
+    # SMP v1's question "did tensor parallelism split it?" for a replicated DTensor
+    held = dict(model.module.named_parameters())
+    split = {n: model.is_distributed_parameter(held[n])
+             for n in ("ln_f.weight", "blocks.0.attn.q_proj.weight")}
+    if split != {"ln_f.weight": False, "blocks.0.attn.q_proj.weight": True}:
+        problems.append(f"is_distributed_parameter: {split}")
+    return problems + parity_problems(TrainResult(losses, model.state_dict()), ref)
+
+
+TP2 = {"tensor_parallel_degree": 2}
+CASES = {  # id: (world size, configuration, wrapper, model)
+    "tp2-shard": (2, TP2, "shard", "gpt"),
+    "tp2-shard-qwen3": (2, TP2, "shard", "qwen3"),
+    "tp2-hsd2-shard": (4, {**TP2, "hybrid_shard_degree": 2}, "shard", "gpt"),
+    "tp2-hsd2-shard-qwen3": (4, {**TP2, "hybrid_shard_degree": 2}, "shard", "qwen3"),
+    "tp2-replicate": (4, {**TP2, "hybrid_shard_degree": 1}, "replicate", "gpt"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_clip_grad_norm_matches_one_process(workers, case):
+    world, config, wrap, arch = CASES[case]
+    for rank, problems in enumerate(workers(world).run(clip_case, config=config, wrap=wrap,
+                                                       arch=arch)):
+        assert problems == [], rank
+
+
+def test_torch_clip_grad_norm_of_a_distributed_model_matches_one_process(workers):
+    for rank, problems in enumerate(workers(4).run(
+            distributed_model_case, config={**TP2, "hybrid_shard_degree": 2})):
+        assert problems == [], rank
+
+
+def unwrapped_case() -> tuple[str | None, float, float]:
+    """Tensor parallelism alone: torch's function fails (split DTensors and plain
+    tensors); the worker's one line for it; ``mp.clip_grad_norm_`` gives the norm."""
+    from modelparallel.launch.worker import torch_clip_hint
+
+    mp.init(TP2)
+    x, y = token_batches(1, GLOBAL_BATCH, SEQ, VOCAB, seed=1)[0]
+    ref = build("gpt")
+    lm_loss(ref(x), y).backward()
+    expected = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    model = mp.transform(build("gpt"))
+    lm_loss(model(x), y).backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        hint = None
+    except RuntimeError as error:
+        hint = torch_clip_hint(error)
+    return hint, float(mp.clip_grad_norm_(model, 1e9)), expected
+
+
+def test_where_torch_cannot_add_up_the_norms_the_error_names_mp_clip_grad_norm(workers):
+    for hint, ours, expected in workers(2).run(unwrapped_case):
+        assert hint is not None and "call mp.clip_grad_norm_(model, max_norm)" in hint
+        assert ours == pytest.approx(expected, rel=1e-5)
