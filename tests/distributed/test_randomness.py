@@ -297,3 +297,28 @@ def test_pipeline_stages_leave_the_scripts_generator_in_step(workers):
     first = results[0]["state"]
     assert all(torch.equal(r["state"], first) for r in results), \
         "the stages' generators drifted apart"
+
+
+def no_dropout_case() -> list[float]:
+    """tp 2, no dropout: what the script draws from its generator after each forward
+    (SMP v2's shared scripts make their synthetic batches so)."""
+    mp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})
+    torch.manual_seed(0)
+    model = mp.transform(build("llama", 0.0))
+    model.train()
+    draws = []
+    for _ in range(3):
+        output(model, inputs("llama")).sum().backward()
+        draws.append(torch.rand(()).item())
+    return draws
+
+
+def test_a_model_that_draws_nothing_leaves_the_scripts_generator_alone(workers):
+    torch.manual_seed(0)
+    model = build("llama", 0.0)
+    model.train()
+    one_process = []
+    for _ in range(3):
+        output(model, inputs("llama")).sum().backward()
+        one_process.append(torch.rand(()).item())
+    assert workers(2).run(no_dropout_case) == [one_process] * 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,10 @@ class SelfAttention(nn.Module):
     """Multi-head self-attention; causal for the decoder, bidirectional for the ViT.
 
     Heads are counted from the projection's width (``-1`` in the view), so the same code
-    runs on the slice of heads a tensor-parallel rank holds.
+    runs on the slice of heads a tensor-parallel rank holds. Training with dropout, the
+    attention weights are formed and dropped by ``attn_dropout`` (a module, as in Hugging
+    Face's eager attention, so it can be hooked or replaced); otherwise torch's fused
+    attention computes them.
     """
 
     def __init__(self, cfg: GPTConfig, causal: bool = True):
@@ -39,7 +43,7 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.dropout = cfg.dropout
+        self.attn_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -48,8 +52,14 @@ class SelfAttention(nn.Module):
             return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
+        if self.training and self.attn_dropout.p > 0:
+            scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+            if self.causal:
+                future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+                scores = scores.masked_fill(future, float("-inf"))
+            y = self.attn_dropout(scores.softmax(dim=-1)) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 

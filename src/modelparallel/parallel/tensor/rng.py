@@ -12,12 +12,14 @@ under sequence parallelism) each must draw its own. The rule (docs/tensor-parall
 - each entry into a region a plan marks draws from a generator seeded with a hash of
   the generator state at the entry, the region's name, its kind and seed (``SHARDED``:
   ``random_seed`` and the tensor-parallel rank; ``REPLICATED``: ``tensor_parallel_seed``)
-  and the data-parallel rank. The state at the entry is moved on to another hash of it,
-  so a second entry never repeats the first's masks, and put back at the exit.
-- each forward of the transformed model leaves the script's generator at a hash of the
-  state it started from, whatever the regions drew: the pipeline stages of a model hold
+  and the data-parallel rank. At the exit the state at the entry comes back, moved on to
+  another hash of it if the region drew, so a second entry never repeats the first's
+  masks.
+- a forward of the transformed model that drew leaves the script's generator at a hash
+  of the state it started from, whatever its regions drew: pipeline stages hold
   different regions but stay in step (a ``DataLoader`` that shuffles with the global
-  generator reads the same order on every stage).
+  generator reads the same order on every stage). A forward that drew nothing (no
+  dropout) leaves it as it was, as one process does.
 
 Everything a region draws is a function of the generator state at its entry. Activation
 checkpointing (torch's ``checkpoint`` reentrant or not, the wrappers built on it,
@@ -62,7 +64,9 @@ class RegionSeeds:
 class _Open:
     """A region or forward in progress."""
 
-    resume: int  # the seed the enclosing generator goes on with when it ends
+    entered: _State  # the live generators' state when it began
+    resume: int  # what they go on from when it ends, if anything in it drew
+    seeded: _State | None = None  # a region's generators before anything drew
     # in a SHARDED region: the chain REPLICATED regions inside it derive from, which is
     # equal on every rank of the group (the live generator is this rank's own there)
     replicated: int | None = None
@@ -82,6 +86,11 @@ class RegionRandomness:
         cuda = torch.cuda.get_rng_state(self.device) if self.device is not None else None
         return torch.get_rng_state(), cuda
 
+    def _set(self, state: _State) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None and self.device is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
+
     def _seed(self, seed: int) -> None:
         torch.default_generator.manual_seed(seed)
         if self.device is not None:
@@ -89,44 +98,61 @@ class RegionRandomness:
                 torch.cuda.current_device()
             torch.cuda.default_generators[index].manual_seed(_mix(seed, b"cuda"))
 
-    def _hash(self, *extra: bytes) -> int:
-        """A seed from the live generators' state (read, not advanced) and ``extra``."""
-        cpu, cuda = self._state()
-        h = hashlib.blake2b(cpu.numpy().tobytes(), digest_size=8)
-        if cuda is not None:
-            h.update(cuda.numpy().tobytes())
-        for part in extra:
-            h.update(b"|" + part)
-        return int.from_bytes(h.digest(), "little") >> 1  # a non-negative 63-bit seed
+    def _drew(self, since: _State) -> bool:
+        # compared as bytes, outside torch's dispatch (the planner runs under fake tensors)
+        return _bytes(self._state()) != _bytes(since)
 
     def _sharded(self) -> _Open | None:
         return next((o for o in reversed(self._open) if o.replicated is not None), None)
 
     # -- hooks --------------------------------------------------------------------------
     def enter(self, kind: str, path: str) -> None:
+        state = self._state()
         key = self.seeds.key(kind, path)
         outer = self._sharded()
         basis = None  # inside a SHARDED region: the group's chain, advanced for the next
         if outer is not None and outer.replicated is not None:
             basis, outer.replicated = outer.replicated, _mix(outer.replicated, b"next")
         region = _mix(basis, key) if kind == REPLICATED and basis is not None \
-            else self._hash(key)
+            else _hash(state, key)
         chain = None
         if kind == SHARDED:
             chain = _mix(basis, b"replicated") if basis is not None else \
-                self._hash(b"replicated")
-        self._open.append(_Open(resume=self._hash(b"after region"), replicated=chain))
+                _hash(state, b"replicated")
         self._seed(region)
+        self._open.append(_Open(state, _hash(state, b"after region"), self._state(), chain))
 
     def exit(self) -> None:
-        self._seed(self._open.pop().resume)
+        region = self._open.pop()
+        assert region.seeded is not None
+        if self._drew(region.seeded):  # the next entry must not repeat these masks
+            self._seed(region.resume)
+        else:  # nothing drawn: the script's generator as it was
+            self._set(region.entered)
 
     def forward_started(self) -> None:
-        self._open.append(_Open(resume=self._hash(b"after forward")))
+        state = self._state()
+        self._open.append(_Open(state, _hash(state, b"after forward")))
 
     def forward_ended(self) -> None:
-        if self._open:  # (a forward hook runs even when the pre-hook's forward raised)
-            self._seed(self._open.pop().resume)
+        if not self._open:  # (a forward hook runs even when the pre-hook's forward raised)
+            return
+        forward = self._open.pop()
+        if self._drew(forward.entered):  # whatever this stage's regions drew
+            self._seed(forward.resume)
+
+
+def _bytes(state: _State) -> bytes:
+    cpu, cuda = state
+    return cpu.numpy().tobytes() + (cuda.numpy().tobytes() if cuda is not None else b"")
+
+
+def _hash(state: _State, *extra: bytes) -> int:
+    """A seed from generators' ``state`` and ``extra``."""
+    h = hashlib.blake2b(_bytes(state), digest_size=8)
+    for part in extra:
+        h.update(b"|" + part)
+    return int.from_bytes(h.digest(), "little") >> 1  # a non-negative 63-bit seed
 
 
 def _mix(seed: int, salt: bytes) -> int:
@@ -138,7 +164,7 @@ def install_regions(root: nn.Module, regions: dict[str, str], seeds: RegionSeeds
                     device: torch.device) -> RegionRandomness:
     """Hook every module named in ``regions`` (path -> ``SHARDED`` or ``REPLICATED``) to
     draw from its region's generator, and ``root``'s forward to leave the script's
-    generator at a state that depends only on the one it started from."""
+    generator, if it drew, at a state that depends only on the one it started from."""
     randomness = RegionRandomness(seeds, device)
     for path, kind in regions.items():
         if kind not in (SHARDED, REPLICATED):
