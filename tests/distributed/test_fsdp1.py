@@ -546,9 +546,9 @@ def fused_checkpoint_case(root: str) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # untied: FSDP1 refuses tied tensor-parallel models (fsdp1_limits)
-        gpt2 = zoo.Logits(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        gpt2 = zoo.Keyed(transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=zoo.VOCAB, n_embd=32, n_layer=1, n_head=8, n_positions=2 * zoo.SEQ,
-            use_cache=False, tie_word_embeddings=False)))
+            use_cache=False, tie_word_embeddings=False)), zoo.VOCAB, hugging_face=True)
     blocks = {type(b) for b in zoo.blocks_of(gpt2)}
     model = FSDP(mp.transform(gpt2), auto_wrap_policy=ModuleWrapPolicy(blocks),
                  use_orig_params=True)
@@ -668,8 +668,9 @@ def internals_case():
     import torch.distributed.fsdp._common_utils as fsdp_common_utils
     import torch.distributed.fsdp._optim_utils as fsdp_optim_utils
     from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
 
-    from modelparallel.parallel import fsdp1_torch
+    from modelparallel.parallel import fsdp1_limits, fsdp1_torch
 
     model = transformed(TP2, use_orig_params=True)  # one data-parallel rank
     units = [model, *model.blocks]
@@ -697,6 +698,10 @@ def internals_case():
         "split parameters by name": (q.shape, q.local_shape, q.data_mesh is not None) ==
                                     ((32, 32), (16, 32), True),
         "tensor-parallel parameters flattened": fsdp1_torch.holds_split_params(model),
+        "FSDP1's gradient views kept on one-rank shards (fsdp1_limits)":
+            FlatParamHandle._use_unsharded_grad_views is fsdp1_limits._grad_views
+            and callable(fsdp1_limits._torch_unsharded_grad_views)
+            and all(getattr(u._handle, "_mp_one_rank_shard", False) for u in units),
         "our state dict extension": all(isinstance(u._fsdp_extension,
                                                    fsdp1_torch._LocalShardExtensions)
                                         for u in units),

@@ -77,3 +77,27 @@ def test_half_precision_far_past_one_process_fails_whatever_the_rerun_says():
     found, roundoff, _ = _judge_half(12.0)
     assert roundoff == [] and len(found) == 2
     assert "past 10x one process, more than bf16 round-off does" in found[0]
+
+
+def test_half_precision_bounds_are_on_what_training_changed():
+    # a bf16 parameter of value ~1 that training moved by ~1e-3: a run that never moved it
+    # (its gradient zeroed) is 1e-3 off, far below one bf16 unit of the value (4e-3), but
+    # the whole of its change
+    bf16 = Case(Layout(2, 1, 1, 0), "shard", "gpt", "bf16")
+    init = torch.ones(16)
+    moved = init + 1e-3 * torch.linspace(-1.0, 1.0, 16)
+    state = {"state.w.momentum_buffer": moved - init}
+    ref = RunResult([1.0], {"w": moved}, state, initial={"w": init})
+    exact = RunResult([1.0], {"w": moved.double()}, state)
+    frozen = RunResult([1.0], {"w": init.clone()}, state)
+    found, roundoff, _ = problems(bf16, [frozen, frozen], ref, ref, exact)
+    assert any("parameter w" in f for f in found + roundoff)
+    found, roundoff, _ = problems(bf16, [ref, ref], ref, ref, exact)
+    assert found == [] and roundoff == []
+
+
+def test_optimizer_state_one_process_does_not_have_is_a_problem():
+    extra = result(ANSWER.float())
+    extra.optimizer["state.unused.momentum_buffer"] = torch.zeros(4)
+    found, _, _ = problems(CASE, [extra, extra], result(ANSWER), None, None)
+    assert any("in the run that one process does not have" in f for f in found)

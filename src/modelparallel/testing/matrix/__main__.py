@@ -10,14 +10,13 @@ Exit code 0 when every case passed or was refused as expected, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import collections
 import re
 import shlex
 import sys
 import time
 
-from modelparallel.testing.matrix.report import write_report
-from modelparallel.testing.matrix.run import OK_STATUSES, Outcome, run_cases
+from modelparallel.testing.matrix.report import summary, write_report
+from modelparallel.testing.matrix.run import Outcome, run_cases
 from modelparallel.testing.matrix.space import ci_cases, full_cases, regression_cases
 
 
@@ -61,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = run_cases(cases, on_outcome=show)
     wall = time.monotonic() - start
     failed = [o for o in outcomes if not o.ok]
-    counts = collections.Counter(o.status for o in outcomes)
-    print(f"{len(outcomes)} cases in {wall / 60:.1f} min: "
-          + ", ".join(f"{counts[s]} {s}" for s in (*OK_STATUSES, "FAIL")))
+    print(f"{len(outcomes)} cases in {wall / 60:.1f} min: {summary(outcomes)}")
     if args.report:
         command = " ".join(["python -m modelparallel.testing.matrix",
                             *map(shlex.quote, argv_used)])

@@ -28,7 +28,6 @@ def write_report(path: str, outcomes: list[Outcome], wall_s: float, *, command: 
     """Markdown: how it was run (``command``; ``full_size``: the full matrix's case
     count, to say what part of it ran), counts, then one row per case."""
     commit = _commit()
-    by_status = collections.Counter(o.status for o in outcomes)
     refused = [o for o in outcomes if o.status == "refused as expected"]
     lines = [
         "# Parity matrix",
@@ -41,14 +40,13 @@ def write_report(path: str, outcomes: list[Outcome], wall_s: float, *, command: 
             "docs/parity.md`.", ""]),
         f"- commit `{commit}`, {datetime.date.today().isoformat()}, torch {torch.__version__}, "
         f"{platform.machine()} ({_cpus()} cores), gloo on CPU",
-        f"- {len(outcomes)} cases in {wall_s / 60:.1f} min: "
-        + ", ".join(f"{n} {s}" for s, n in sorted(by_status.items())),
+        f"- {len(outcomes)} cases in {wall_s / 60:.1f} min: {summary(outcomes)}",
         "- paths: " + "; ".join(f"`{k}` = {v}" for k, v in PATH_DOC.items()),
         "- other axes (covered 3-wise): " + "; ".join(
             f"{axis} {', '.join(str(v) for v in values)}" for axis, values in OTHER_AXES.items()),
-        "- worst: the largest relative difference from the one-process reference over the "
-        "losses of every step and every parameter and optimizer-state tensor (0 with dropout "
-        "or a refusal: nothing to compare)",
+        "- worst: the largest difference from the one-process reference, as a share of what "
+        "the judge allows (1 is the bound), over the losses of every step and every parameter "
+        "and optimizer-state tensor (0 for a refusal: nothing to compare)",
         "",
     ]
     if refused:
@@ -81,3 +79,15 @@ def _cpus() -> int:
     import os
 
     return os.cpu_count() or 0
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    """How many cases were judged against one process and how they ended, how many were
+    refused as expected, and how many failed before anything could be compared."""
+    judged = [o for o in outcomes if o.judged]
+    count = collections.Counter(o.status for o in judged)
+    refused = sum(o.status == "refused as expected" for o in outcomes)
+    other = len(outcomes) - len(judged) - refused
+    return (f"{len(judged)} judged against one process ({count['pass']} pass, "
+            f"{count['pass (float64 rerun)']} pass after a float64 rerun, {count['FAIL']} "
+            f"fail), {refused} refused as expected, {other} failed without a result to judge")

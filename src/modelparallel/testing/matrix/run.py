@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelparallel.testing.matrix import compare, train
-from modelparallel.testing.matrix.space import Case, expected_refusal
+from modelparallel.testing.matrix.refusals import expected_refusal
+from modelparallel.testing.matrix.space import Case
 from modelparallel.testing.workers import WorkerError, WorkerGroup
 
 # "pass (float64 rerun)": a case further from the float64 answer than the round-off bound
@@ -37,9 +38,10 @@ OK_STATUSES = ("pass", "pass (float64 rerun)", "refused as expected")
 class Outcome:
     case: Case
     status: str  # one of OK_STATUSES, or "FAIL"
-    worst: float  # largest relative difference from the reference (0 if none)
+    worst: float  # the largest difference from one process, as a share of its bound
     detail: str  # why it failed, or the refusal message
     seconds: float
+    judged: bool = False  # compared with the one-process reference (losses and tensors)
 
     @property
     def ok(self) -> bool:
@@ -72,11 +74,9 @@ def judge(case: Case, results: list[train.RunResult] | None, error: str | None,
     if error is not None:
         return Outcome(case, "FAIL", 0.0, error, seconds)
     assert results is not None
-    ref = sliced = exact = None
-    if not case.dropout:
-        ref = _cached_reference(case)
-        sliced = _cached_reference(case, sliced=True)
-        exact = _cached_reference(case, exact=True)
+    ref = _cached_reference(case)
+    sliced = _cached_reference(case, sliced=True)
+    exact = _cached_reference(case, exact=True)
     found, roundoff, worst = compare.problems(case, results, ref, sliced, exact)
     if roundoff and not found and rerun_exact is not None:
         assert exact is not None
@@ -85,11 +85,12 @@ def judge(case: Case, results: list[train.RunResult] | None, error: str | None,
         except WorkerError as e:
             found = [f"the float64 rerun failed: {e}"]
         if not found:
-            return Outcome(case, "pass (float64 rerun)", worst, "; ".join(roundoff), seconds)
+            return Outcome(case, "pass (float64 rerun)", worst, "; ".join(roundoff), seconds,
+                           judged=True)
     found += roundoff
     if found:
-        return Outcome(case, "FAIL", worst, "\n".join(found[:20]), seconds)
-    return Outcome(case, "pass", worst, "", seconds)
+        return Outcome(case, "FAIL", worst, "\n".join(found[:20]), seconds, judged=True)
+    return Outcome(case, "pass", worst, "", seconds, judged=True)
 
 
 _REFERENCES: dict[tuple, train.RunResult] = {}
@@ -98,9 +99,10 @@ _REFERENCES: dict[tuple, train.RunResult] = {}
 def _cached_reference(case: Case, *, sliced: bool = False,
                       exact: bool = False) -> train.RunResult:
     # cases with equal keys share one reference: same model, depth, data, precision (the
-    # float64 answer has none), cut
+    # float64 answer has none), cut, dropout, padding
     key = (case.model, case.layers, case.rows, "float64" if exact else case.precision,
-           train.slices(case) if sliced else 1)
+           train.slices(case) if sliced else 1, case.dropout, case.padded,
+           case.unused)
     if key not in _REFERENCES:
         _REFERENCES[key] = train.reference(case, sliced=sliced, exact=exact)
     return _REFERENCES[key]

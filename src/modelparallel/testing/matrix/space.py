@@ -4,14 +4,14 @@ Layout axes — world size (1, 2, 4, 8 processes on one node, and 2 nodes x 2), 
 tensor-parallel and hybrid-shard degrees, placement strategy (when two or more
 degrees exceed 1), pipeline schedule and its virtual stages (when pp > 1) — and the
 API path are crossed exhaustively. The other axes (model, precision, microbatches,
-prescaled batch, activation checkpointing, ddp, gradient accumulation, dropout) are
-assigned to those cases so that every triple of their values that some case can hold
-appears at least once (a greedy covering array, seeded, so the list is the same on
+prescaled batch, activation checkpointing, ddp, gradient accumulation, dropout, padded
+targets) are assigned to those cases so that every triple of their values that some
+case can hold appears at least once (a greedy covering array, seeded, so the list is the same on
 every run). :func:`ci_cases` picks a subset in which every pair of values of all axes
 appears, plus a fixed list of regression cases.
 
 Each case knows what it expects: parity with one process, or a refusal (the key and
-a fragment of the message) derived from the rules in :func:`expected_refusal`.
+a fragment of the message) derived from the rules in ``refusals.py``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from modelparallel.parallel.pipeline.schedule_rules import (
-    MULTI_STAGE_SCHEDULES,
-    SPLIT_BACKWARD_SCHEDULES,
-    check_schedule,
-)
-from modelparallel.testing.matrix.zoo import MODELS, TIED_MODELS
+from modelparallel.parallel.pipeline.schedule_rules import MULTI_STAGE_SCHEDULES, check_schedule
+from modelparallel.testing.matrix.zoo import MODELS
 
 WORLDS: tuple[int | str, ...] = (1, 2, 4, 8, "2x2")
 PATHS = ("v1", "shard", "fsdp1", "ddp", "smddp")
@@ -54,6 +50,9 @@ OTHER_AXES: dict[str, tuple[Any, ...]] = {
     "ddp": (False, True),
     "accumulation": ("none", "steps", "no_sync"),
     "dropout": (False, True),
+    # uneven padded targets, the loss summed over the others and divided by
+    # mp.global_token_count (a plain mean averages the ranks' means)
+    "padded": (False, True),
 }
 STEPS = 3  # optimizer steps per case
 ACCUMULATION = 2  # backward passes per optimizer step when accumulating
@@ -159,7 +158,12 @@ class Case:
     ddp: bool = False
     accumulation: str = "none"
     dropout: bool = False
+    padded: bool = False
+    unused: bool = False  # the model has a parameter its forward never uses
     note: str = ""  # why a regression case is in the list
+    # a bug injected into the run (not the reference) to show the judge fails it:
+    # train.MUTATIONS
+    mutation: str = ""
 
     @property
     def id(self) -> str:
@@ -168,9 +172,13 @@ class Case:
             flags.append(f"mb{self.microbatches}")
         flags += [name for name, on in (("prescaled", self.prescaled_batch),
                                         ("ckpt", self.checkpointing), ("ddp", self.ddp),
-                                        ("dropout", self.dropout)) if on]
+                                        ("dropout", self.dropout),
+                                        ("padded", self.padded),
+                                        ("unused", self.unused)) if on]
         if self.accumulation != "none":
             flags.append(f"acc-{self.accumulation}")
+        if self.mutation:
+            flags.append(f"mutated-{self.mutation}")
         return f"{self.layout.label()}-{'-'.join(flags)}"
 
     @property
@@ -232,43 +240,6 @@ def schedule_accepts(layout: Layout, m: int) -> bool:
         return True
     problems = check_schedule(layout.schedule, layout.virtual_stages, m, layout.pp, None)
     return not any(key == "microbatches" for key, _ in problems)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """What the library must say instead of training: the key its ConfigError names, a
-    fragment of the message, and whether the configuration alone decides it (then
-    ``check-config`` refuses it too)."""
-
-    key: str
-    fragment: str
-    by_config: bool
-
-
-def expected_refusal(case: Case) -> Refusal | None:
-    """The refusal a case must get, from rules written here (not asked of the library)."""
-    lay = case.layout
-    if case.path in ("ddp", "smddp") and lay.hsd >= 2:
-        return Refusal("hybrid_shard_degree", "replicates; use mp.shard()", by_config=False)
-    shards = lay.dp_shard > 1 and (not case.ddp or lay.hsd >= 2)
-    if lay.schedule in SPLIT_BACKWARD_SCHEDULES and shards:
-        return Refusal("pipeline", "computes weight gradients in a separate pass",
-                       by_config=True)
-    if case.path == "fsdp1":  # what torch's FSDP1 cannot follow (parallel/fsdp1_limits.py)
-        tied = case.model in TIED_MODELS
-        if lay.tp > 1 and tied:
-            return Refusal("tensor_parallel_degree", "flattens the tied parameters",
-                           by_config=False)
-        # a model tensor parallelism does not split shards over its TP ranks as well
-        split = lay.tp > 1 and case.model != "noplan"
-        if split and lay.dp_shard == 1 and case.accumulation != "none":
-            return Refusal("hybrid_shard_degree", "cannot accumulate gradients over several "
-                           "backward passes", by_config=False)
-        if (lay.tp == 1 and lay.dp_shard == 1 and tied and case.precision != "fp32"
-                and case.accumulation == "no_sync"):
-            return Refusal(case.precision, "cannot accumulate gradients in no_sync()",
-                           by_config=False)
-    return None
 
 
 # -- generating ----------------------------------------------------------------------

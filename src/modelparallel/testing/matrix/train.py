@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from modelparallel.quiet import quiet_logs
-from modelparallel.testing.matrix import zoo
+from modelparallel.testing.matrix import mutations, zoo
 from modelparallel.testing.matrix.space import ACCUMULATION, STEPS, Case
 
 SEED = 0
@@ -41,6 +41,7 @@ class RunResult:
     optimizer: dict[str, torch.Tensor]
     scaler: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)  # (the reference's)
 
 
 def passes(case: Case) -> int:
@@ -66,7 +67,8 @@ def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunRe
     that every precision and summation order approximates."""
     from modelparallel.parallel.precision import HALF, LossScaler, compute_in
 
-    model = zoo.build(case.model, case.layers, case.dropout, SEED)
+    model = zoo.build(case.model, case.layers, case.dropout, SEED, unused=case.unused)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     half = case.precision != "fp32" and not exact
     if exact:
         model = model.double()
@@ -74,17 +76,20 @@ def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunRe
         compute_in(model, HALF[case.precision], zoo.blocks_of(model))
     scaler = LossScaler(FP16_INIT_SCALE) if half and case.precision == "fp16" else None
     optimizer = sgd(model.parameters())
-    loss_fn = zoo.loss_fn(case.model)
+    loss_fn = zoo.loss_fn(case.model, case.padded)
     losses = []
     pieces = slices(case) if sliced else 1
-    for x, y in zoo.batches(case.model, STEPS, case.rows):
+    for x, y in zoo.batches(case.model, STEPS, case.rows, padded=case.padded):
         if exact and x.is_floating_point():
             x = x.double()
         optimizer.zero_grad()
         n = x.shape[0] // pieces
+        # padded: the summed loss over the step's valid targets, as one process computes
+        # a token mean over the whole batch
+        divisor = (y != zoo.IGNORE).sum() if case.padded else pieces
         loss = torch.zeros(())
         for i in range(pieces):
-            part = loss_fn(model(x[i * n:(i + 1) * n]), y[i * n:(i + 1) * n]) / pieces
+            part = loss_fn(model(x[i * n:(i + 1) * n]), y[i * n:(i + 1) * n]) / divisor
             (scaler.scale(part) if scaler else part).backward()
             loss = loss + part.detach()
         if scaler:
@@ -99,7 +104,11 @@ def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunRe
         if buf is not None:
             state[f"state.{name}.momentum_buffer"] = buf.detach().clone()
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return RunResult(losses, params, state, scaler.state_dict() if scaler else None)
+    return RunResult(losses, params, state, scaler.state_dict() if scaler else None,
+                     initial=initial)
+
+
+
 
 
 # -- one rank of the parallel run -------------------------------------------------------------
@@ -112,7 +121,8 @@ def run_rank(case_dict: dict[str, Any], exact: bool = False) -> RunResult:
     with quiet():
         run = PathRun(dataclasses.replace(case, precision="fp32") if exact else case,
                       exact=exact)
-        losses = [run.step(x, y) for x, y in zoo.batches(run.case.model, STEPS, run.case.rows)]
+        losses = [run.step(x, y) for x, y in zoo.batches(run.case.model, STEPS, run.case.rows,
+                                                         padded=run.case.padded)]
         return run.result(losses)
 
 
@@ -133,13 +143,14 @@ class PathRun:
         # SMP scripts often seed each rank apart; FSDP1 scripts start alike (torch's FSDP1
         # takes each rank's own values unless sync_module_states)
         model = zoo.build(case.model, case.layers, case.dropout,
-                          seed if case.path == "fsdp1" else seed + mp.dp_rank())
+                          seed if case.path == "fsdp1" else seed + mp.dp_rank(),
+                          unused=case.unused)
         if case.model == "partial":
             zoo.keep_first_block_whole(model)
         if exact:
             model = model.double()
         self.scaler = LossScaler(FP16_INIT_SCALE) if case.precision == "fp16" else None
-        self.loss_fn = zoo.loss_fn(case.model)
+        self.loss_fn = zoo.loss_fn(case.model, case.padded)
         self.passes = passes(case)
         if case.path == "v1":
             self.model = mp.DistributedModel(
@@ -149,34 +160,50 @@ class PathRun:
                     mp.set_activation_checkpointing(block)
             self.optimizer = mp.DistributedOptimizer(sgd(self.model.parameters()),
                                                      loss_scaler=self.scaler)
-            self._train_step = _v1_step(mp, self.loss_fn, self.passes)
+            self._train_step = _v1_step(mp, self.loss_fn, self.passes, case)
         else:
             self.model = _wrap_v2(case, mp, model, self.device)
             self.optimizer = sgd(self.model.parameters())
+        if case.mutation == "skip_allreduce":
+            mutations.skip_first_bucket(self.model)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One optimizer step on this rank's rows of the global batch; the global loss."""
+        """One optimizer step on this rank's rows of the global batch; the global loss.
+
+        Padded targets: each pass's summed loss over ``mp.global_token_count`` of the
+        rows of every pass of this step (inside SMP v1's step function when the step is
+        one call; otherwise counted before, and passed in)."""
+        case, mp = self.case, self.mp
         self.optimizer.zero_grad()
         if self.exact and x.is_floating_point():
             x = x.double()
         x, y = x.to(self.device), y.to(self.device)  # as SMP v1 and v2 scripts do
+        every_pass = _rows(case, x, 0, self.passes)
+        divisor = None
+        if case.padded and (case.path != "v1" or self.passes > 1):
+            divisor = mp.global_token_count(y[every_pass])
+        scale = 2.0 if case.mutation == "double_loss" else 1.0
         total = 0.0
         for part in range(self.passes):
-            rows = _rows(self.case, x, part)
-            if self.case.path == "v1":
-                total += float(self._train_step(self.model, x[rows], y[rows]).reduce_mean())
+            rows = _rows(case, x, part)
+            if case.path == "v1":
+                out = self._train_step(self.model, x[rows], y[rows], divisor, scale)
+                total += float(out.reduce_mean())
                 continue
-            skip = self.case.accumulation == "no_sync" and part < self.passes - 1
+            skip = case.accumulation == "no_sync" and part < self.passes - 1
             with _no_sync(self.model, skip):
                 loss = self.loss_fn(self.model(x[rows]), y[rows])
-                ((self.scaler.scale(loss) if self.scaler else loss) / self.passes).backward()
+                loss = loss / divisor if divisor is not None else loss / self.passes
+                (self.scaler.scale(loss * scale) if self.scaler else loss * scale).backward()
             total += float(loss.detach())
-        if self.scaler is not None and self.case.path != "v1":
+        mutations.before_step(case, self.model)
+        if self.scaler is not None and case.path != "v1":
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
-        return _global_mean(total / self.passes)
+        # a padded pass's loss is its share of the step's token mean: they add up
+        return _global_mean(total if case.padded or case.path != "v1" else total / self.passes)
 
     def save(self, path: str, tag: str) -> None:
         self.mp.save_checkpoint(path, tag, model=self.model, optimizer=self.optimizer,
@@ -230,15 +257,16 @@ def _init(case: Case):
     return mp
 
 
-def _rows(case: Case, x: torch.Tensor, part: int) -> slice:
-    """This rank's rows of a global batch for accumulation pass ``part``."""
+def _rows(case: Case, x: torch.Tensor, part: int, count: int = 1) -> slice:
+    """This rank's rows of a global batch for accumulation passes ``part`` to
+    ``part + count``."""
     from modelparallel.data import replica_rank_and_size
 
-    index, count = replica_rank_and_size()
-    per_rank = x.shape[0] // count
+    index, replicas = replica_rank_and_size()
+    per_rank = x.shape[0] // replicas
     per_pass = per_rank // passes(case)
     start = index * per_rank + part * per_pass
-    return slice(start, start + per_pass)
+    return slice(start, start + count * per_pass)
 
 
 def _global_mean(value: float) -> float:
@@ -252,11 +280,13 @@ def _global_mean(value: float) -> float:
     return float(t) / dist.get_world_size(group)
 
 
-def _v1_step(mp, loss_fn, n: int):
+def _v1_step(mp, loss_fn, n: int, case: Case):
     @mp.step
-    def train_step(model, x, y):
+    def train_step(model, x, y, divisor, scale):
         loss = loss_fn(model(x), y)
-        model.backward(loss / n)
+        if case.padded:  # the step's count, taken here when not passed in
+            loss = loss / (divisor if divisor is not None else mp.global_token_count(y))
+        model.backward(loss * scale if case.padded else loss * scale / n)
         return loss
 
     return train_step

@@ -3,7 +3,8 @@
 Every size a layout can split divides 8 (the largest degree of the matrix): 8 query
 heads (16 with 8 key/value heads for grouped-query attention), MLP widths and the
 vocabulary. The number of layers grows with the pipeline stages a case needs. Hugging
-Face models are wrapped in :class:`Logits` so every model maps inputs to logits.
+Face and reference models alike are wrapped in :class:`~.keyed.Keyed`, so every model maps
+the inputs of :func:`batches` to logits and its dropout is keyed by sample.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelparallel.models import GPT, GPTConfig, ViT, ViTConfig
-from modelparallel.models.gpt import lm_loss
+from modelparallel.testing.matrix.keyed import ATTENTION, Keyed, encode, register_attention
 
 VOCAB, SEQ, IMAGE, CLASSES = 64, 8, 8, 8
 HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "neox")
@@ -25,17 +26,6 @@ IMAGE_MODELS = ("vit", "hf-vit")
 TIED_MODELS = ("tied", "gpt2")  # input and output embeddings share one parameter
 # every model with a built-in tensor-parallel plan (hf-vit is not a matrix axis value)
 BUILTIN_PLAN_MODELS = ("gpt", "vit", *HF_MODELS, "hf-vit")
-
-
-class Logits(nn.Module):
-    """A Hugging Face model as a function of its inputs returning logits."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x).logits
 
 
 class Residual(nn.Module):
@@ -68,34 +58,52 @@ class NoPlan(nn.Module):
         return self.head(h)
 
 
-def build(model: str, layers: int, dropout: bool, seed: int = 0) -> nn.Module:
-    """The single-device model ``model`` with ``layers`` repeated layers, seeded."""
+def build(model: str, layers: int, dropout: bool, seed: int = 0, unused: bool = False
+          ) -> nn.Module:
+    """The single-device model ``model`` with ``layers`` repeated layers, seeded: a
+    function of :func:`batches`' inputs returning logits, whose dropout masks are keyed
+    by sample (``keyed.py``), so that one process draws what any layout draws.
+    ``unused``: with a parameter the forward never uses."""
     torch.manual_seed(seed)
+    keyed = _build(model, layers, dropout)
+    if unused:
+        keyed.unused = nn.Parameter(torch.ones(4))
+    return keyed
+
+
+def _build(model: str, layers: int, dropout: bool) -> nn.Module:
     p = 0.1 if dropout else 0.0
     if model in ("gpt", "partial", "tied"):
-        return GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=layers,
-                             n_heads=8, dropout=p, tie_embeddings=model == "tied"))
-    if model == "vit":
-        return ViT(ViTConfig(image_size=IMAGE, patch_size=4, num_classes=CLASSES, d_model=32,
-                             n_layers=layers, n_heads=8, dropout=p))
-    if model == "noplan":
-        return NoPlan(layers, p)
-    return Logits(_hf(model, layers, p))
+        inner: nn.Module = GPT(GPTConfig(
+            vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=layers, n_heads=8,
+            dropout=p, tie_embeddings=model == "tied"))
+    elif model == "vit":
+        inner = ViT(ViTConfig(image_size=IMAGE, patch_size=4, num_classes=CLASSES, d_model=32,
+                              n_layers=layers, n_heads=8, dropout=p))
+    elif model == "noplan":
+        inner = NoPlan(layers, p)
+    else:
+        return Keyed(_hf(model, layers, p), VOCAB, hugging_face=True)
+    return Keyed(inner, VOCAB, hugging_face=False)
 
 
 def _hf(model: str, layers: int, p: float) -> nn.Module:
     import transformers as T
 
+    register_attention()
     common: dict[str, Any] = dict(vocab_size=VOCAB, num_hidden_layers=layers,
-                                  max_position_embeddings=2 * SEQ, use_cache=False)
+                                  max_position_embeddings=2 * SEQ, use_cache=False,
+                                  attn_implementation=ATTENTION)
     # grouped-query attention: 16 query heads share 8 key/value heads (head size 4)
     gqa: dict[str, Any] = dict(common, hidden_size=64, intermediate_size=128,
                                num_attention_heads=16, num_key_value_heads=8,
                                attention_dropout=p)
     if model == "gpt2":
-        return T.GPT2LMHeadModel(T.GPT2Config(
+        gpt2: dict[str, Any] = dict(
             vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=8, n_positions=2 * SEQ,
-            resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False))
+            resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False, bos_token_id=0,
+            eos_token_id=0, attn_implementation=ATTENTION)
+        return T.GPT2LMHeadModel(T.GPT2Config(**gpt2))
     if model == "llama":
         return T.LlamaForCausalLM(T.LlamaConfig(**gqa))
     if model == "mistral":
@@ -109,7 +117,8 @@ def _hf(model: str, layers: int, p: float) -> nn.Module:
             image_size=IMAGE, patch_size=4, hidden_size=32, num_hidden_layers=layers,
             num_attention_heads=8, intermediate_size=64,
             num_labels=CLASSES,  # type: ignore[call-arg]  # PretrainedConfig's keyword
-            hidden_dropout_prob=p, attention_probs_dropout_prob=p))
+            hidden_dropout_prob=p, attention_probs_dropout_prob=p,
+            attn_implementation=ATTENTION))
     if model == "neox":
         return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
             **common, hidden_size=32, intermediate_size=128, num_attention_heads=8,
@@ -133,22 +142,40 @@ def keep_first_block_whole(model: nn.Module) -> None:
     set_tensor_parallelism(blocks_of(model)[0], False)
 
 
-def batches(model: str, steps: int, rows: int, seed: int = 1
+IGNORE = -100  # the target of a padded position
+
+
+def batches(model: str, steps: int, rows: int, seed: int = 1, padded: bool = False
             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(inputs, targets) of ``rows`` samples for each step."""
+    """(inputs, targets) of ``rows`` samples for each step; every sample carries its
+    number (``keyed.encode``), counted over the steps. ``padded``: rows end in 0 to
+    ``SEQ`` padded targets (:data:`IGNORE`; some rows wholly), images are left out of
+    the loss now and then, so ranks and microbatches hold uneven numbers of targets."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(steps):
+    for step in range(steps):
         if model in IMAGE_MODELS:
-            out.append((torch.randn(rows, 3, IMAGE, IMAGE, generator=g),
-                        torch.randint(CLASSES, (rows,), generator=g)))
+            x, y = (torch.randn(rows, 3, IMAGE, IMAGE, generator=g),
+                    torch.randint(CLASSES, (rows,), generator=g))
+            if padded:
+                y[torch.arange(rows) % 3 == (step + 1) % 3] = IGNORE
         else:
             seq = torch.randint(VOCAB, (rows, SEQ + 1), generator=g)
-            out.append((seq[:, :-1], seq[:, 1:]))
+            x, y = seq[:, :-1], seq[:, 1:].clone()
+            if padded:
+                for r in range(rows):
+                    y[r, SEQ - (5 * r + step) % (SEQ + 1):] = IGNORE
+        out.append((encode(x, step * rows, VOCAB), y))
     return out
 
 
-def loss_fn(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    if model in IMAGE_MODELS:
-        return lambda logits, y: F.cross_entropy(logits.float(), y)
-    return lambda logits, y: lm_loss(logits.float(), y)
+def loss_fn(model: str, padded: bool = False
+            ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The mean loss, or (``padded``) the sum over the targets that are not padding."""
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if model not in IMAGE_MODELS:
+            logits, y = logits.reshape(-1, logits.size(-1)), y.reshape(-1)
+        return F.cross_entropy(logits, y, ignore_index=IGNORE,
+                               reduction="sum" if padded else "mean")
+    return loss

@@ -1,0 +1,41 @@
+"""Which cases the library must refuse, and with what: rules written here, not asked of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modelparallel.parallel.pipeline.schedule_rules import SPLIT_BACKWARD_SCHEDULES
+from modelparallel.testing.matrix.space import Case
+from modelparallel.testing.matrix.zoo import TIED_MODELS
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What the library must say instead of training: the key its ConfigError names, a
+    fragment of the message, and whether the configuration alone decides it (then
+    ``check-config`` refuses it too)."""
+
+    key: str
+    fragment: str
+    by_config: bool
+
+
+def expected_refusal(case: Case) -> Refusal | None:
+    """The refusal a case must get, from rules written here (not asked of the library)."""
+    lay = case.layout
+    if case.path in ("ddp", "smddp") and lay.hsd >= 2:
+        return Refusal("hybrid_shard_degree", "replicates; use mp.shard()", by_config=False)
+    shards = lay.dp_shard > 1 and (not case.ddp or lay.hsd >= 2)
+    if lay.schedule in SPLIT_BACKWARD_SCHEDULES and shards:
+        return Refusal("pipeline", "computes weight gradients in a separate pass",
+                       by_config=True)
+    if case.path == "fsdp1":  # what torch's FSDP1 cannot follow (parallel/fsdp1_limits.py)
+        tied = case.model in TIED_MODELS
+        if lay.tp > 1 and tied:
+            return Refusal("tensor_parallel_degree", "flattens the tied parameters",
+                           by_config=False)
+        if (lay.tp == 1 and lay.dp_shard == 1 and tied and case.precision != "fp32"
+                and case.accumulation == "no_sync"):
+            return Refusal(case.precision, "cannot accumulate gradients in no_sync()",
+                           by_config=False)
+    return None
