@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -211,6 +212,13 @@ class Case:
         passes = ACCUMULATION if self.accumulation != "none" else 1
         return self.data_replicas * self.microbatches * passes * 2
 
+    @property
+    def slices(self) -> int:
+        """Pieces a parallel run cuts each global batch into: data replicas x accumulation
+        passes x microbatches (SMP v1's)."""
+        passes = ACCUMULATION if self.accumulation != "none" else 1
+        return self.data_replicas * passes * (self.microbatches if self.path == "v1" else 1)
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -316,9 +324,22 @@ def _pairs(case: Case) -> set[tuple]:
 
 
 def cost(case: Case) -> float:
-    """Rough seconds a case takes on a 2-core machine (world size and layers dominate)."""
+    """Rough seconds a case takes in CI on a 2-core machine: its ranks' run and its
+    one-process references (the whole batch, the batch cut in slices, float64).
+
+    Fitted to the per-case times of a full run (2026-11-26) and to timed references: a
+    half-precision reference is the dear part where the batch is cut in many slices (CPU
+    bf16/fp16 kernels are slow on small pieces: one 8-rank Mistral bf16 case's references
+    took 43 s, its ranks 8 s)."""
     lay = case.layout
-    return 2 + lay.processes ** 1.3 * (1 + 0.15 * case.layers) * (1 + case.microbatches / 4)
+    ranks = math.exp(-1.56 + 0.84 * math.log(lay.processes) - 0.27 * math.log(lay.pp)
+                     + 0.78 * math.log(lay.tp) + 0.45 * math.log(case.microbatches)
+                     + 0.25 * case.checkpointing + 0.34 * (case.accumulation != "none")
+                     + 0.14 * case.layers)
+    half = case.precision != "fp32"
+    references = STEPS * case.layers * (case.slices * (0.05 if half else 0.005)
+                                        + case.rows * (0.01 if half else 0.003))
+    return 0.5 + ranks + references
 
 
 def pairwise_subset(cases: Iterable[Case]) -> list[Case]:

@@ -55,9 +55,8 @@ def sgd(params) -> torch.optim.Optimizer:
 # -- the one-process reference -------------------------------------------------------------
 
 def slices(case: Case) -> int:
-    """Pieces a parallel run cuts each global batch into: data replicas x accumulation
-    passes x microbatches."""
-    return case.data_replicas * passes(case) * (case.microbatches if case.path == "v1" else 1)
+    """Pieces a parallel run cuts each global batch into (:attr:`Case.slices`)."""
+    return case.slices
 
 
 def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunResult:
