@@ -14,6 +14,7 @@ import functools
 
 import pytest
 import torch
+from test_tensor_parallel import Logits
 from torch import nn
 
 import modelparallel as mp
@@ -39,15 +40,6 @@ def build(arch: str) -> nn.Module:
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=SEQ, tie_word_embeddings=False)))
-
-
-class Logits(nn.Module):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(x).logits
 
 
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
