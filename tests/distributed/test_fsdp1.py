@@ -7,6 +7,7 @@ models tensor parallelism leaves whole.
 
 import contextlib
 import functools
+import inspect
 import os
 import warnings
 
@@ -540,7 +541,7 @@ def fused_checkpoint_case(root: str) -> str:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from modelparallel.testing.matrix import zoo
+    from parity_matrix import zoo
 
     mp.init(TP2_HYBRID2)
     with warnings.catch_warnings():
@@ -694,7 +695,11 @@ def internals_case():
             is fsdp1_torch._create_chunk_sharded_tensor,
         "flat parameter metadata": all(hasattr(flat, a) for a in (
             "_shard_param_infos", "_param_extensions", "_params", "_fqns", "_shapes",
-            "_shared_param_infos")),
+            "_shared_param_infos", "_param_infos")),
+        "a unit's flat/original choice and mesh": all(
+            u._use_orig_params is True and hasattr(u, "_device_mesh") for u in units),
+        # FSDP1 marks a gradient it gathered on purpose with this attribute
+        "gathered gradients marked": "_saved_grad_shard" in inspect.getsource(FlatParamHandle),
         "split parameters by name": (q.shape, q.local_shape, q.data_mesh is not None) ==
                                     ((32, 32), (16, 32), True),
         "tensor-parallel parameters flattened": fsdp1_torch.holds_split_params(model),

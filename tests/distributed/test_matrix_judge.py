@@ -1,6 +1,6 @@
 """The parity matrix's judge fails known bugs, in every precision.
 
-Each bug of ``testing/matrix/mutations.py`` is injected into a real run (2 gloo ranks,
+Each bug of ``tests/parity_matrix/mutations.py`` is injected into a real run (2 gloo ranks,
 never into the one-process reference) and the case must end ``FAIL`` in fp32, bf16
 and fp16, for the reason the bug causes; the same cases without the bug pass. Dropout
 masks redrawn by recomputation are caught by tests/distributed/test_randomness.py.
@@ -12,8 +12,8 @@ import dataclasses
 
 import pytest
 
-from modelparallel.testing.matrix import run
-from modelparallel.testing.matrix.space import Case, Layout
+from parity_matrix import run
+from parity_matrix.space import Case, Layout
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 CASES = {  # mutation: (a case it applies to, what the judge must say)

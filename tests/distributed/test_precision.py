@@ -1,7 +1,7 @@
 """bf16/fp16 from the configuration compute in that type on every path, or are refused.
 
 Parity of the precision policy against one process is in the parity matrix (its
-tolerances are written in modelparallel/testing/matrix/compare.py); these tests read
+tolerances are written in tests/parity_matrix/compare.py); these tests read
 what each path really computes in, the fp16 loss-scaling rules and their messages."""
 
 import pytest
@@ -12,8 +12,8 @@ import modelparallel as mp
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
 from modelparallel.testing import WorkerError
-from modelparallel.testing.matrix import run
-from modelparallel.testing.matrix.space import Case, Layout
+from parity_matrix import run
+from parity_matrix.space import Case, Layout
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=8, d_model=32, n_layers=2, n_heads=8)
 

@@ -9,10 +9,10 @@ matrix): the resumed one from other initial weights, which the checkpoint replac
 import pytest
 import torch
 
-from modelparallel.testing.matrix import compare, zoo
-from modelparallel.testing.matrix.space import Case
-from modelparallel.testing.matrix.space import Layout as L
-from modelparallel.testing.matrix.train import PathRun, quiet
+from parity_matrix import compare, zoo
+from parity_matrix.space import Case
+from parity_matrix.space import Layout as L
+from parity_matrix.train import PathRun, quiet
 
 ROWS, SAVE_AT, AFTER = 16, 2, 3
 PP2 = dict(schedule="interleaved")

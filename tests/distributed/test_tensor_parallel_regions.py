@@ -8,9 +8,9 @@ Qwen3 is the model that needs the first (its q_norm/k_norm act on each rank's he
 
 import pytest
 
-from modelparallel.testing.matrix import run
-from modelparallel.testing.matrix.space import Case, Layout
-from modelparallel.testing.matrix.zoo import BUILTIN_PLAN_MODELS
+from parity_matrix import run
+from parity_matrix.space import Case, Layout
+from parity_matrix.zoo import BUILTIN_PLAN_MODELS
 
 TP2 = Layout(2, 1, 2, 0)            # 2 ranks: tp 2
 TP2_FSDP2 = Layout(4, 1, 2, 2)      # 4 ranks: tp 2 x FSDP 2
@@ -26,7 +26,7 @@ def test_every_builtin_plan_matches_one_process(workers, model):
 def summed_case(model: str):
     import modelparallel as mp
     from modelparallel.parallel.tensor.regions import split_regions
-    from modelparallel.testing.matrix import zoo
+    from parity_matrix import zoo
 
     mp.init({"tensor_parallel_degree": 2})
     m = mp.transform(zoo.build(model, 2, False))
@@ -59,7 +59,7 @@ def unsummed_case() -> float:
 
     import modelparallel as mp
     import modelparallel.parallel.tensor.regions as regions
-    from modelparallel.testing.matrix import zoo
+    from parity_matrix import zoo
 
     mp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})
     ref = zoo.build("qwen3", 2, False)

@@ -2,7 +2,7 @@
 
 Each case trains in this process (``mp.init`` makes the one-process default group,
 NCCL for CUDA tensors) and is judged against the matrix's one-process CPU references,
-as ``python -m modelparallel.testing.matrix`` judges its cases. Prints one JSON line per
+as ``python tests/parity_matrix`` judges its cases. Prints one JSON line per
 case; exits 1 if any fails. Run by ``tests/gpu/test_one_gpu.py`` (skipped without a GPU)
 or directly: ``python tests/gpu/one_gpu_cases.py``.
 """
@@ -15,13 +15,16 @@ import itertools
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import modelparallel as mp
-from modelparallel.testing.matrix import train
-from modelparallel.testing.matrix.run import judge
-from modelparallel.testing.matrix.space import PATHS, Case, Layout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: tests/ too
+from parity_matrix import train
+from parity_matrix.run import judge
+from parity_matrix.space import PATHS, Case, Layout
 
 MODELS = ("gpt", "vit", "tied", "llama")  # our own, an image model, tied weights, HF
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from modelparallel.testing.matrix.run import OK_STATUSES
+from parity_matrix.run import OK_STATUSES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run on a GPU machine)")

@@ -3,9 +3,9 @@ against the float64 answer; and the float64 rerun that tells round-off from a wr
 
 import torch
 
-from modelparallel.testing.matrix.compare import NOISE_MARGIN, exact_problems, problems
-from modelparallel.testing.matrix.space import Case, Layout
-from modelparallel.testing.matrix.train import RunResult
+from parity_matrix.compare import NOISE_MARGIN, exact_problems, problems
+from parity_matrix.space import Case, Layout
+from parity_matrix.train import RunResult
 
 CASE = Case(Layout(4, 1, 2, 0), "shard", "gpt", "fp32")
 ANSWER = torch.linspace(-1.0, 1.0, 16, dtype=torch.float64)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelparallel.parallel.pipeline.schedule_rules import SPLIT_BACKWARD_SCHEDULES
-from modelparallel.testing.matrix.space import Case
-from modelparallel.testing.matrix.zoo import TIED_MODELS
+from parity_matrix.space import Case
+from parity_matrix.zoo import TIED_MODELS
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelparallel.testing.matrix import compare, train
-from modelparallel.testing.matrix.refusals import expected_refusal
-from modelparallel.testing.matrix.space import Case
 from modelparallel.testing.workers import WorkerError, WorkerGroup
+from parity_matrix import compare, train
+from parity_matrix.refusals import expected_refusal
+from parity_matrix.space import Case
 
 # "pass (float64 rerun)": a case further from the float64 answer than the round-off bound
 # allows, whose rerun in float64 then matched that answer (compare.exact_problems)

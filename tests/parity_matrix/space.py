@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelparallel.parallel.pipeline.schedule_rules import MULTI_STAGE_SCHEDULES, check_schedule
-from modelparallel.testing.matrix.zoo import MODELS
+from parity_matrix.zoo import MODELS
 
 WORLDS: tuple[int | str, ...] = (1, 2, 4, 8, "2x2")
 PATHS = ("v1", "shard", "fsdp1", "ddp", "smddp")

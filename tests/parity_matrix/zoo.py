@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelparallel.models import GPT, GPTConfig, ViT, ViTConfig
-from modelparallel.testing.matrix.keyed import ATTENTION, Keyed, encode, register_attention
+from parity_matrix.keyed import ATTENTION, Keyed, encode, register_attention
 
 VOCAB, SEQ, IMAGE, CLASSES = 64, 8, 8, 8
 HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "neox")

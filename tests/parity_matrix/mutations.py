@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modelparallel.testing.matrix.space import Case
+from parity_matrix.space import Case
 
 MUTATIONS = ("zero_grad", "skip_allreduce", "double_loss", "unused_grad")
 

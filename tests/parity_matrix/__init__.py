@@ -3,5 +3,5 @@
 ``space`` describes the configuration space and generates the cases, ``zoo`` builds
 the models, ``train`` runs a case on a rank (and the one-process reference),
 ``compare`` judges it, ``run`` drives worker processes and 2-node launches, and
-``python -m modelparallel.testing.matrix`` runs it all (see docs/testing.md).
+``python tests/parity_matrix`` runs it all (see docs/testing.md).
 """

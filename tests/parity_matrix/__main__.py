@@ -1,8 +1,8 @@
-"""``python -m modelparallel.testing.matrix``: run the parity matrix, print and record it.
+"""``python tests/parity_matrix``: run the parity matrix, print and record it.
 
-    python -m modelparallel.testing.matrix --full --report docs/parity.md   # everything
-    python -m modelparallel.testing.matrix --ci                             # what CI runs
-    python -m modelparallel.testing.matrix -k qwen3 --list                  # which cases
+    python tests/parity_matrix --full --report docs/parity.md   # everything
+    python tests/parity_matrix --ci                             # what CI runs
+    python tests/parity_matrix -k qwen3 --list                  # which cases
 
 Exit code 0 when every case passed or was refused as expected, 1 otherwise.
 """
@@ -14,14 +14,18 @@ import re
 import shlex
 import sys
 import time
+from pathlib import Path
 
-from modelparallel.testing.matrix.report import summary, write_report
-from modelparallel.testing.matrix.run import Outcome, run_cases
-from modelparallel.testing.matrix.space import ci_cases, full_cases, regression_cases
+if __package__ in (None, ""):  # run as `python tests/parity_matrix`: import it as a package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from parity_matrix.report import summary, write_report
+from parity_matrix.run import Outcome, run_cases
+from parity_matrix.space import ci_cases, full_cases, regression_cases
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m modelparallel.testing.matrix",
+    p = argparse.ArgumentParser(prog="python tests/parity_matrix",
                                 description=__doc__.splitlines()[0])
     which = p.add_mutually_exclusive_group()
     which.add_argument("--full", action="store_true", help="every case (the default)")
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [o for o in outcomes if not o.ok]
     print(f"{len(outcomes)} cases in {wall / 60:.1f} min: {summary(outcomes)}")
     if args.report:
-        command = " ".join(["python -m modelparallel.testing.matrix",
+        command = " ".join(["python tests/parity_matrix",
                             *map(shlex.quote, argv_used)])
         write_report(args.report, outcomes, wall, command=command,
                      full_size=len(full_cases()))

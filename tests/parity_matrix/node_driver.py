@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 
 import modelparallel
-from modelparallel.testing.matrix.space import Case
-from modelparallel.testing.matrix.train import RunResult, run_rank
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a script: import the package
 from modelparallel.testing.workers import gloo_loops
+from parity_matrix.space import Case
+from parity_matrix.train import RunResult, run_rank
 
 
 def main() -> None:

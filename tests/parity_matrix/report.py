@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from modelparallel.testing.matrix.compare import EXACT_TOLERANCE, HALF_CAP, NOISE_MARGIN
-from modelparallel.testing.matrix.run import Outcome
-from modelparallel.testing.matrix.space import OTHER_AXES, PATH_DOC
+from parity_matrix.compare import EXACT_TOLERANCE, HALF_CAP, NOISE_MARGIN
+from parity_matrix.run import Outcome
+from parity_matrix.space import OTHER_AXES, PATH_DOC
 
 
 def _commit() -> str:
@@ -36,7 +36,7 @@ def write_report(path: str, outcomes: list[Outcome], wall_s: float, *, command: 
         "",
         *([] if len(outcomes) == full_size else [
             f"**A part of the matrix: {len(outcomes)} of its {full_size} cases.** The whole "
-            "matrix is `python -m modelparallel.testing.matrix --full --report "
+            "matrix is `python tests/parity_matrix --full --report "
             "docs/parity.md`.", ""]),
         f"- commit `{commit}`, {datetime.date.today().isoformat()}, torch {torch.__version__}, "
         f"{platform.machine()} ({_cpus()} cores), gloo on CPU",

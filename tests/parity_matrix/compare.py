@@ -61,8 +61,8 @@ import math
 
 import torch
 
-from modelparallel.testing.matrix.space import Case
-from modelparallel.testing.matrix.train import RunResult
+from parity_matrix.space import Case
+from parity_matrix.train import RunResult
 
 UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 FLOAT32_UNIT = UNIT_ROUNDOFF["fp32"]  # parameters and optimizer state are stored in float32

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from modelparallel.quiet import quiet_logs
-from modelparallel.testing.matrix import mutations, zoo
-from modelparallel.testing.matrix.space import ACCUMULATION, STEPS, Case
+from parity_matrix import mutations, zoo
+from parity_matrix.space import ACCUMULATION, STEPS, Case
 
 SEED = 0
 LR, MOMENTUM = 0.1, 0.9
