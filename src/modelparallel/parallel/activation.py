@@ -6,10 +6,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from modelparallel.module_state import lookup, own_state, state_of
 from modelparallel.parallel.deferred import recipe_of
 from modelparallel.parallel.placement import is_meta
-
-_ATTR = "_mp_activation_checkpointing"  # preserve_rng_state of a marked module
 
 
 def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True,
@@ -27,7 +26,7 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
         raise ValueError(f"strategy={strategy!r} is not supported; use 'each' (every child of "
                          "a Sequential/ModuleList recomputed on its own), or mark the modules "
                          "to group yourself")
-    object.__setattr__(module, _ATTR, preserve_rng_state)
+    state_of(module).activation_checkpointing = preserve_rng_state
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -39,7 +38,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     parameters."""
     containers = (nn.Sequential, nn.ModuleList)
     for module in list(model.modules()):
-        preserve_rng = getattr(module, _ATTR, None)
+        preserve_rng = lookup(module, "activation_checkpointing")
         if preserve_rng is None:
             continue
         for target in module.children() if isinstance(module, containers) else [module]:
@@ -51,10 +50,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def is_recomputed(module: nn.Module) -> bool:
     """Whether ``apply_activation_checkpointing`` checkpointed ``module``."""
-    return module.__dict__.get(_RECOMPUTED, False)
-
-
-_RECOMPUTED = "_mp_recomputed"
+    return bool((state := own_state(module)) and state.recomputed)
 
 
 def _recompute_in_backward(module: nn.Module, preserve_rng_state: bool) -> None:
@@ -69,4 +65,4 @@ def _recompute_in_backward(module: nn.Module, preserve_rng_state: bool) -> None:
                                 preserve_rng_state=preserve_rng_state, **kwargs)
 
     object.__setattr__(module, "forward", forward)
-    object.__setattr__(module, _RECOMPUTED, True)
+    state_of(module).recomputed = True

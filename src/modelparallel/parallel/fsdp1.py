@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from modelparallel.config import Config, ConfigError
 from modelparallel.context import ParallelContext
+from modelparallel.module_state import state_of
 from modelparallel.parallel import (
     fsdp1_limits,
     fsdp1_state,
@@ -162,10 +163,9 @@ def _adopt(model: FullyShardedDataParallel, split: bool, ctx: ParallelContext) -
     """After construction with our groups: our state dicts, and our clipping when
     tensor parallelism split the model."""
     for unit in FullyShardedDataParallel.fsdp_modules(model):
-        # read by fsdp1_torch: only models we wrapped are changed
-        object.__setattr__(unit, "_mp_policy", True)
-        # the mesh whole-tensor state dicts are laid on (fsdp1_state)
-        object.__setattr__(unit, "_mp_root_mesh", ctx.mesh)
+        state = state_of(unit)
+        state.fsdp1_policy = True  # read by fsdp1_torch: only models we wrapped are changed
+        state.fsdp1_root_mesh = ctx.mesh  # whole-tensor state dicts are laid on it (fsdp1_state)
     fsdp1_torch.use_local_state_dicts(model)
     if split:
         model.clip_grad_norm_ = functools.partial(  # type: ignore[method-assign]

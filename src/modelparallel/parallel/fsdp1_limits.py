@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 
 from modelparallel.config import ConfigError
+from modelparallel.module_state import lookup, state_of
 from modelparallel.parallel.tensor.transform import tied_groups
 
 logger = logging.getLogger("modelparallel")
@@ -85,8 +86,8 @@ def _synchronised_no_sync(model: FullyShardedDataParallel) -> Iterator[None]:
     # gradients as DTensors in no_sync() and then fails writing them back ("invalid
     # python storage") on the next forward; reduced in every backward, the gradients
     # accumulate all the same
-    if not getattr(model, "_mp_no_sync_noted", False):
-        object.__setattr__(model, "_mp_no_sync_noted", True)
+    if not lookup(model, "no_sync_noted", False):
+        state_of(model).no_sync_noted = True
         if torch.distributed.get_rank() == 0:
             logger.warning("no_sync() has no effect on this tensor-parallel FSDP1 model: "
                            "with use_orig_params=True torch's FSDP1 cannot hold its "

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from modelparallel.module_state import lookup
 from modelparallel.parallel import fsdp1_torch
 
 
@@ -161,7 +162,7 @@ def checkpoint_problem(model: nn.Module) -> str | None:
     for unit in FullyShardedDataParallel.fsdp_modules(model):
         if not fsdp1_torch.holds_split_params(unit):
             continue
-        if not getattr(unit, "_mp_policy", False):
+        if not lookup(unit, "fsdp1_policy", False):
             return ("this FSDP1 model holds tensor-parallel parameters, but was built with "
                     "the script's own process_group/device_mesh, so its sharded state "
                     "holds each tensor-parallel rank's part under the parameter's name; "
@@ -255,7 +256,7 @@ _JOINT: dict[tuple, DeviceMesh] = {}
 def _root_mesh(model: nn.Module) -> DeviceMesh | None:
     """The mesh of modelparallel's layout ``model``'s FSDP1 units were built on."""
     for unit in FullyShardedDataParallel.fsdp_modules(model):
-        root = getattr(unit, "_mp_root_mesh", None)
+        root = lookup(unit, "fsdp1_root_mesh")
         if root is not None:
             return root
     return None

@@ -79,6 +79,8 @@ from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel
 from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel.fsdp import DTensorExtensions
 
+from modelparallel.module_state import lookup
+
 # -- one-rank shard groups keep a sharded strategy ---------------------------------------
 
 _keep_sharded = contextvars.ContextVar("mp_fsdp1_keep_sharded", default=False)
@@ -150,7 +152,7 @@ _GATHER_STEPS = ("_allgather_state_info", "_allgather_orig_param_states")
 def _gather_all_orig_param_state(fsdp_param_info, input_states, shard_state, to_save,
                                  cpu_offload):
     fsdp_state = fsdp_param_info.state
-    if not (getattr(fsdp_state, "_mp_policy", False) and fsdp_state.world_size == 1
+    if not (lookup(fsdp_state, "fsdp1_policy", False) and fsdp_state.world_size == 1
             and fsdp_state.sharding_strategy != ShardingStrategy.NO_SHARD):
         return _torch_gather_all_orig_param_state(fsdp_param_info, input_states, shard_state,
                                                   to_save, cpu_offload)
@@ -293,7 +295,7 @@ def split_params(model: nn.Module) -> dict[str, SplitParam]:
     out: dict[str, SplitParam] = {}
     for prefix, unit in model.named_modules():
         if not isinstance(unit, FullyShardedDataParallel) or \
-                not getattr(unit, "_mp_policy", False) or unit._handle is None:
+                not lookup(unit, "fsdp1_policy", False) or unit._handle is None:
             continue
         flat = unit._handle.flat_param  # private: FlatParameter metadata, one per original
         found: dict[str, SplitParam] = {}
@@ -336,7 +338,7 @@ def _set_state_dict_type(module, state_dict_type, state_dict_config=None,
 
 def _on_cpu(module: nn.Module) -> bool:
     units = [u for u in FullyShardedDataParallel.fsdp_modules(module)
-             if getattr(u, "_mp_policy", False)]
+             if lookup(u, "fsdp1_policy", False)]
     return bool(units) and all(p.device.type == "cpu" for u in units for p in u.parameters())
 
 
@@ -348,7 +350,7 @@ _torch_unflatten_optim_state_dict = getattr(dcp_state_dict, "_unflatten_optim_st
 
 def _unflatten_optim_state_dict(optim, state_dict, info):
     osd = _torch_unflatten_optim_state_dict(optim, state_dict, info)
-    if not any(getattr(m, "_mp_policy", False) for m in info.fsdp_modules):
+    if not any(lookup(m, "fsdp1_policy", False) for m in info.fsdp_modules):
         return osd
     saved: dict[str, dict[str, object]] = {}  # "state.<fqn>" -> {state name: value}
     for key, value in state_dict.items():

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelparallel.module_state import own_state, state_of
 from modelparallel.parallel.offload import ActivationOffloader, checkpointed_layers, normalise
 from modelparallel.parallel.offload_torch import (
     TORCH_OFFLOAD_FORWARD,
@@ -29,12 +30,9 @@ from modelparallel.parallel.offload_torch import (
 
 logger = logging.getLogger("modelparallel")
 
-_OFFLOADER = "_mp_activation_offloader"
-
-
 def offloader_of(module: nn.Module) -> ActivationOffloader | None:
     """The offloader applied to ``module`` (a root or an offload_wrapper), if any."""
-    return module.__dict__.get(_OFFLOADER)
+    return state.activation_offloader if (state := own_state(module)) else None
 
 
 def offload_checkpointed(model: nn.Module, device: torch.device | str,
@@ -53,7 +51,7 @@ def offload_checkpointed(model: nn.Module, device: torch.device | str,
         return None
     offloader = ActivationOffloader(device, horizon)
     offloader.attach(model, layers)
-    model.__dict__[_OFFLOADER] = offloader
+    state_of(model).activation_offloader = offloader
     return offloader
 
 
@@ -96,5 +94,5 @@ def _wrapper_offloader(wrapper: nn.Module, device: torch.device,
                        "so nothing is prefetched: what its forward saves goes to CPU and comes "
                        "back when backward needs it (apply activation checkpointing first)")
     offloader.attach(None, layers)
-    wrapper.__dict__[_OFFLOADER] = offloader
+    state_of(wrapper).activation_offloader = offloader
     return offloader

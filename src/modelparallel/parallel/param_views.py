@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from modelparallel.module_state import own_state, state_of
+
 View = Callable[[torch.Tensor], torch.Tensor]
 
-_ATTR = "_mp_param_views"  # name -> [view, ...] on a module that has views
-_PINNED = "_mp_param_views_pinned"  # name -> how many views at the front are pinned
 _MISSING = object()
 
 
@@ -36,14 +36,13 @@ def add_view(module: nn.Module, view: View, names: Iterable[str], *, first: bool
     """From the next forward on, ``module`` reads ``view(p)`` for each parameter ``p``
     named in ``names`` (``first``: before the views it has; ``pinned``: before every
     view, also those added later)."""
-    chains: dict[str, list[View]] | None = module.__dict__.get(_ATTR)
-    if chains is None:
-        chains = {}
-        object.__setattr__(module, _ATTR, chains)
-        object.__setattr__(module, _PINNED, {})
+    state = state_of(module)
+    if state.param_views is None:  # name -> [view, ...]; how many at the front are pinned
+        state.param_views, state.param_views_pinned, state.param_views_saved = {}, {}, []
         module.register_forward_pre_hook(_enter, prepend=False)
         module.register_forward_hook(_leave, always_call=True)
-    front: dict[str, int] = module.__dict__[_PINNED]
+    chains: dict[str, list[View]] = state.param_views
+    front: dict[str, int] = state.param_views_pinned  # type: ignore[assignment]
     for name in names:
         chain = chains.setdefault(name, [])
         if pinned or first:
@@ -55,12 +54,13 @@ def add_view(module: nn.Module, view: View, names: Iterable[str], *, first: bool
 
 
 def has_views(module: nn.Module) -> bool:
-    return bool(module.__dict__.get(_ATTR))
+    return bool((state := own_state(module)) and state.param_views)
 
 
 def _enter(module: nn.Module, args) -> None:
     saved = []
-    for name, chain in module.__dict__[_ATTR].items():
+    state = state_of(module)
+    for name, chain in (state.param_views or {}).items():
         value = getattr(module, name)
         saved.append((name, module.__dict__.get(name, _MISSING)))
         if value is None:
@@ -68,11 +68,12 @@ def _enter(module: nn.Module, args) -> None:
         for view in chain:
             value = view(value)
         module.__dict__[name] = value
-    module.__dict__.setdefault("_mp_param_views_saved", []).append(saved)
+    assert state.param_views_saved is not None  # add_view made it
+    state.param_views_saved.append(saved)
 
 
 def _leave(module: nn.Module, args, output) -> None:
-    stack = module.__dict__.get("_mp_param_views_saved")
+    stack = state.param_views_saved if (state := own_state(module)) else None
     if not stack:
         return
     for name, previous in reversed(stack.pop()):

@@ -25,15 +25,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from modelparallel.module_state import lookup, state_of
 from modelparallel.parallel.param_views import add_view
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_DTYPE_ATTR = "_mp_compute_dtype"
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype | None:
     """The half type :func:`compute_in` gave ``model``, if any."""
-    return getattr(model, _DTYPE_ATTR, None)
+    return lookup(model, "compute_dtype")
 
 
 def compute_in(model: nn.Module, dtype: torch.dtype, blocks: list[nn.Module]) -> None:
@@ -46,7 +46,7 @@ def compute_in(model: nn.Module, dtype: torch.dtype, blocks: list[nn.Module]) ->
     """
     if compute_dtype(model) is not None:
         return
-    object.__setattr__(model, _DTYPE_ATTR, dtype)
+    state_of(model).compute_dtype = dtype
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() else t

@@ -36,6 +36,8 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.fsdp._common_utils import clean_tensor_name  # FSDP1's own names
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from modelparallel.module_state import own_state, state_of
+
 Site = tuple[nn.Module, str]  # a module attribute a forward reads a parameter through
 
 
@@ -173,16 +175,14 @@ def _register(tracker: UnusedGradients, model: nn.Module,
     if not _installed:
         _installed.append(register_optimizer_step_pre_hook(_before_step))
     replaced = {id(old): old for m in [model, *units]
-                if (old := m.__dict__.get(_ATTR)) is not None}
+                if (state := own_state(m)) is not None
+                and (old := state.unused_gradients) is not None}
     for old in replaced.values():
         old.close()
     _TRACKERS[:] = [ref for ref in _TRACKERS if id(ref()) not in replaced]
     for m in [model, *units]:
-        object.__setattr__(m, _ATTR, tracker)
+        state_of(m).unused_gradients = tracker
     _TRACKERS.append(weakref.ref(tracker))
-
-
-_ATTR = "_mp_unused_gradients"
 
 
 def track_fsdp2(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:

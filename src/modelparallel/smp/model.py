@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from modelparallel.module_state import state_of
 from modelparallel.observe.run_output import write_schedule
 from modelparallel.parallel.pipeline.engine import PipelineEngine
-from modelparallel.parallel.pipeline.layout import PARTITION_ATTR
 from modelparallel.parallel.pipeline.record import ScheduleRecording, gather_events
 from modelparallel.parallel.pipeline.runtime import current_microbatch
 from modelparallel.smp import registry, tp_context, tp_replace
@@ -33,7 +33,7 @@ def partition(index: int) -> Iterator[None]:
 
     def init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        object.__setattr__(self, PARTITION_ATTR, _placement[-1])
+        state_of(self).partition = _placement[-1]
 
     nn.Module.__init__ = init  # type: ignore[method-assign]
     try:
@@ -45,7 +45,7 @@ def partition(index: int) -> Iterator[None]:
 
 def set_partition(module: nn.Module, index: int) -> None:
     """Put ``module`` on pipeline stage ``index``; call before the first step."""
-    object.__setattr__(module, PARTITION_ATTR, index)
+    state_of(module).partition = index
 
 
 class DistributedModel(V1ModelMethods, nn.Module):

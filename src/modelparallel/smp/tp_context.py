@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from modelparallel.module_state import lookup, state_of
 from modelparallel.parallel.tensor import plans
 from modelparallel.smp import tp_replace
 from modelparallel.smp.state import state
@@ -50,7 +51,7 @@ def in_place(modules: list[nn.Module]) -> None:
     """Say once (rank 0) that options given to modules split in place have no effect."""
     options: dict[str, Any] = {}
     for module in modules:
-        options.update(getattr(module, tp_replace.OPTIONS_ATTR, {}))
+        options.update(lookup(module, "tp_options", {}))
     if options and state.rank == 0:
         names = sorted({type(m).__name__ for m in modules})
         logger.info("smp.tensor_parallelism(%s) has no effect on %s: split in place by a "
@@ -88,4 +89,4 @@ def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **options: A
     set_options = given("smp.set_tensor_parallelism", options)
     plans.set_tensor_parallelism(module, enabled)
     if set_options:
-        object.__setattr__(module, tp_replace.OPTIONS_ATTR, set_options)
+        state_of(module).tp_options = set_options

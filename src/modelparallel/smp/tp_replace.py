@@ -31,16 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelparallel.module_state import lookup, state_of
 from modelparallel.parallel import deferred
-from modelparallel.parallel.pipeline.layout import PARTITION_ATTR
 from modelparallel.parallel.tensor import plans
 from modelparallel.smp.state import state
 
 logger = logging.getLogger("modelparallel")
 
 StateDict = dict[str, torch.Tensor]
-_INIT_ARGS = "_mp_init_args"  # (args, kwargs) the registered class was constructed with
-OPTIONS_ATTR = "_mp_tp_options"  # smp.tensor_parallelism(**options) in force at creation
 _local = threading.local()
 
 
@@ -103,7 +101,7 @@ def _record_init_args(cls: type[nn.Module]) -> None:
     def init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         if type(self) is cls:
-            object.__setattr__(self, _INIT_ARGS, (args, kwargs))
+            state_of(self).init_args = (args, kwargs)
 
     init._mp_records_args = True  # type: ignore[attr-defined]
     cls.__init__ = init  # type: ignore[method-assign]
@@ -120,7 +118,7 @@ def creating_with(options: dict[str, Any]) -> Iterator[None]:
 
     def init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        object.__setattr__(self, OPTIONS_ATTR, dict(options))
+        state_of(self).tp_options = dict(options)
 
     nn.Module.__init__ = init  # type: ignore[method-assign]
     try:
@@ -155,7 +153,7 @@ def replace_marked(module: nn.Module) -> nn.Module:
 
 
 def _init_args(module: nn.Module) -> tuple[tuple, dict[str, Any]]:
-    recorded = getattr(module, _INIT_ARGS, None)
+    recorded = lookup(module, "init_args")
     if recorded is not None:
         return recorded
     if hasattr(module, "config"):  # Hugging Face models are built from their config
@@ -170,7 +168,7 @@ def _replace(module: nn.Module, found: Replacement) -> nn.Module:
     args, kwargs = _init_args(module)
     if found.init_hook is not None:
         args, kwargs = found.init_hook(*args, **kwargs)
-    kwargs = {**kwargs, **getattr(module, OPTIONS_ATTR, {})}  # SMP: the options override
+    kwargs = {**kwargs, **lookup(module, "tp_options", {})}  # SMP: the options override
     params = list(module.parameters())
     delayed = any(p.is_meta or deferred.recipe_of(p) is not None for p in params)
     with deferred.record(delayed):
@@ -184,8 +182,8 @@ def _replace(module: nn.Module, found: Replacement) -> nn.Module:
     if found.finish is not None:
         found.finish(new)
     plans.set_tensor_parallelism(new, True)
-    if hasattr(module, PARTITION_ATTR):
-        object.__setattr__(new, PARTITION_ATTR, getattr(module, PARTITION_ATTR))
+    if (stage := lookup(module, "partition")) is not None:
+        state_of(new).partition = stage
     if found.forward_hook is not None:
         hook = found.forward_hook
         new.register_forward_pre_hook(lambda m, a, k: hook(*a, **k), with_kwargs=True)
@@ -257,7 +255,7 @@ def unreplaced_with_options(root: nn.Module) -> list[nn.Module]:
     found: list[nn.Module] = []
     prefixes: list[str] = []
     for name, module in root.named_modules():
-        if hasattr(module, OPTIONS_ATTR) and \
+        if lookup(module, "tp_options") is not None and \
                 not any(name.startswith(p) for p in prefixes):
             found.append(module)
             prefixes.append(f"{name}." if name else "")

@@ -2,7 +2,7 @@
 pipeline rank holds under the configured schedule.
 
 Chosen once, at the first step, from one traced microbatch (:class:`trace.Trace`):
-units placed with ``mp.partition`` / ``mp.set_partition`` (:data:`PARTITION_ATTR`, on
+units placed with ``mp.partition`` / ``mp.set_partition`` (``ModuleState.partition``, on
 the unit or a module around it), or by ``default_partition`` when ``auto_partition`` is
 off, go where they are told; otherwise the runs of units between valid cuts are balanced
 over the stages by their measured compute and memory (:func:`partition.balance`). Every
@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from modelparallel.config import Config, ConfigError
+from modelparallel.module_state import lookup
 from modelparallel.parallel.pipeline import cut, schedules
 from modelparallel.parallel.pipeline import partition as balancing
 from modelparallel.parallel.pipeline.trace import Trace
-
-PARTITION_ATTR = "_mp_partition"  # a module's pipeline stage, set by mp.partition
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ def _placement(module: nn.Module, path: str) -> int | None:
     the innermost module around it that has one."""
     parts = path.split(".")
     for k in range(len(parts), -1, -1):
-        stage = getattr(module.get_submodule(".".join(parts[:k])), PARTITION_ATTR, None)
+        stage = lookup(module.get_submodule(".".join(parts[:k])), "partition")
         if stage is not None:
             return stage
     return None

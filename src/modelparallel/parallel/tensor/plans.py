@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Replicate
 
+from modelparallel.module_state import lookup, state_of
+
 SHARDED, REPLICATED = "sharded", "replicated"
 
 
@@ -73,7 +75,6 @@ def as_plan(plan: PlanLike) -> TPPlan:
 _BUILTIN_BY_CLASS: dict[type, PlanFactory] = {}
 _BUILTIN_BY_NAME: dict[str, PlanFactory] = {}  # Hugging Face classes, without importing them
 _REGISTERED: dict[type, PlanFactory] = {}
-_ENABLED_ATTR = "_mp_tensor_parallel"
 _context = threading.local()
 
 
@@ -121,7 +122,7 @@ def set_tensor_parallelism(module: nn.Module, enabled: bool = True) -> None:
     ``nn.Linear`` becomes a column-parallel linear with a gathered output and
     ``nn.Embedding`` a vocabulary-parallel embedding.
     """
-    setattr(module, _ENABLED_ATTR, bool(enabled))
+    state_of(module).tensor_parallel = bool(enabled)
 
 
 @contextlib.contextmanager
@@ -134,7 +135,7 @@ def tensor_parallelism(enabled: bool = True) -> Iterator[None]:
     def marking_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         if getattr(_context, "enabled", None) is not None:
-            setattr(self, _ENABLED_ATTR, _context.enabled)
+            state_of(self).tensor_parallel = _context.enabled
 
     nn.Module.__init__ = marking_init  # type: ignore[method-assign]
     try:
@@ -146,7 +147,7 @@ def tensor_parallelism(enabled: bool = True) -> Iterator[None]:
 
 def marked(module: nn.Module) -> bool | None:
     """``True``/``False`` if the user marked the module, ``None`` if not."""
-    return getattr(module, _ENABLED_ATTR, None)
+    return lookup(module, "tensor_parallel")
 
 
 def _standalone_plan(module: nn.Module, options: TPOptions) -> TPPlan | None:

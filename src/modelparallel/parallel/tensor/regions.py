@@ -42,6 +42,7 @@ from torch.nn.modules.module import (
 )
 
 from modelparallel.config import ConfigError
+from modelparallel.module_state import own_state, state_of
 from modelparallel.parallel.dataflow import DataFlow
 from modelparallel.parallel.param_views import add_view
 from modelparallel.parallel.placement import is_meta
@@ -99,7 +100,7 @@ class SplitRegions:
                                          always_call=True)
         model.register_forward_pre_hook(self._before_forward)
         model.register_forward_hook(self._after_forward, always_call=True)
-        object.__setattr__(model, _ATTR, self)
+        state_of(model).split_regions = self
 
     def summed_names(self) -> list[str]:
         """The parameters whose gradients are summed over the tensor-parallel ranks."""
@@ -182,12 +183,10 @@ class SplitRegions:
             "(mp.set_tensor_parallelism(module, False))"))])
 
 
-_ATTR = "_mp_split_regions"
-
-
 def split_regions(model: nn.Module) -> SplitRegions | None:
     """The SplitRegions ``transform`` gave ``model`` (or a module a wrapper holds)."""
-    return next((m.__dict__[_ATTR] for m in model.modules() if _ATTR in m.__dict__), None)
+    return next((s.split_regions for m in model.modules()
+                 if (s := own_state(m)) is not None and s.split_regions is not None), None)
 
 
 # A pipeline rank may run its stages in different forwards; a held split layer that never

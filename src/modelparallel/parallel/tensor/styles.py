@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor import distribute_tensor as _distribute
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from modelparallel.module_state import lookup, state_of
+
 
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict,
                        src_data_rank: int | None) -> None:
@@ -91,7 +93,7 @@ class FusedColwiseConv1D(ColwiseParallel):
         module.register_parameter("bias", nn.Parameter(
             _distribute(bias, device_mesh, [Shard(1)], src_data_rank=src)))
         layer.forward = types.MethodType(_fused_forward, module)
-        layer._mp_stored_shapes = {"weight": (nx, chunks, width), "bias": (chunks, width)}
+        state_of(layer).stored_shapes = {"weight": (nx, chunks, width), "bias": (chunks, width)}
         module.register_state_dict_post_hook(partial(_fused_state_dict, nf=nf))
         module.register_load_state_dict_pre_hook(_fused_load_state_dict)
         return module
@@ -148,7 +150,7 @@ def stored_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     state-dict entry (fused projections)."""
     out = {}
     for path, module in model.named_modules():
-        for name, shape in getattr(module, "_mp_stored_shapes", {}).items():
+        for name, shape in lookup(module, "stored_shapes", {}).items():
             fqn = f"{path}.{name}" if path else name
             for wrapper in _WRAPPER_PREFIXES:  # state dicts name parameters without them
                 fqn = fqn.replace(wrapper, "")

@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from modelparallel.config import ConfigError
 from modelparallel.context import ParallelContext
+from modelparallel.module_state import lookup, state_of
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.placement import is_meta, materialize_meta, to_device
 from modelparallel.parallel.precision import HALF, compute_in, require_loss_scaling
@@ -95,7 +96,7 @@ def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool
         _take_rank0_weights(model, ctx)
     options = TPOptions(degree, sequence_parallel, loss_parallel)
     found = find_plans(model, options)
-    object.__setattr__(model, _SPLIT_ATTR, bool(found))
+    state_of(model).tensor_parallel_split = bool(found)
     if not found:
         if ctx.rank == 0:
             warnings.warn(_unsplit_message(model, degree), UnsplitModelWarning, stacklevel=2)
@@ -150,9 +151,6 @@ def _take_rank0_weights(model: nn.Module, ctx: ParallelContext) -> None:
                              ctx.process_group(CommGroup.RDP_GROUP))
 
 
-_SPLIT_ATTR = "_mp_tensor_parallel_split"  # set by transform(): whether a plan split it
-
-
 def tp_ranks_are_replicas(model: nn.Module, tp: int) -> bool:
     """Whether the ``tp`` tensor-parallel ranks hold ``model`` whole (nothing of it is
     split), so that each trains it on its own batch and they act as data-parallel
@@ -161,7 +159,7 @@ def tp_ranks_are_replicas(model: nn.Module, tp: int) -> bool:
     parallel group's batches together instead (see ``batch.py``)."""
     if tp == 1:
         return False
-    split = getattr(model, _SPLIT_ATTR, None)
+    split = lookup(model, "tensor_parallel_split")
     if split is None:  # transform() never saw it: split if it holds tensor-parallel shards
         split = any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
                     for p in model.parameters())
