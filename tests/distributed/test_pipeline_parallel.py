@@ -140,7 +140,16 @@ def case_id(case) -> str:
                      *opts])
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def _tier(case):
+    """The parity matrix proves these layouts (schedules, microbatches, tied weights, tp,
+    hsd, checkpointing, on every path); placement by mp.partition and active_microbatches
+    it does not vary: those stay in the default tier, the rest run in the extended one."""
+    _, config, opts = case
+    own = "manual" in opts or "active_microbatches" in config
+    return pytest.param(case, marks=[] if own else [pytest.mark.extended], id=case_id(case))
+
+
+@pytest.mark.parametrize("case", [_tier(c) for c in CASES])
 def test_pipeline_parity(workers, case):
     world, config, opts = case
     results = workers(world).run(pipeline_case, config=config, **opts)

@@ -42,6 +42,7 @@ def summary(err: str) -> str:
     return err[err.index("modelparallel run: rank"):]
 
 
+@pytest.mark.extended  # long fault test
 @pytest.mark.timeout(240)
 def test_rank_killed_in_training_restarts_and_ends_bit_identical(modelparallel, tmp_path):
     plain = train(modelparallel, tmp_path / "plain", tmp_path / "plain.pt")
@@ -62,6 +63,7 @@ def test_rank_killed_in_training_restarts_and_ends_bit_identical(modelparallel, 
     print(f"uninterrupted {plain.seconds:.1f}s, killed + restarted {ran.seconds:.1f}s")
 
 
+@pytest.mark.extended  # long fault test
 @pytest.mark.timeout(240)
 def test_rank_killed_while_saving_leaves_the_previous_checkpoint(modelparallel, tmp_path):
     ckpt = tmp_path / "ckpt"

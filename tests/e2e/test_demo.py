@@ -3,6 +3,8 @@
 import json
 import re
 
+import pytest
+
 
 def test_gpt_demo_learns(modelparallel, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
@@ -25,6 +27,7 @@ def test_gpt_demo_learns(modelparallel, tmp_path):
         {"dp_shard", "dp_replicate"}
 
 
+@pytest.mark.extended  # the README's demo stays in the default tier
 def test_gpt_demo_learns_with_tensor_parallelism(modelparallel, tmp_path):
     ran = modelparallel("run", "--nproc-per-node", 4, "examples/gpt/train.py",
                         "--tensor-parallel-degree", 2, "--steps", 20, "--log-every", 10,

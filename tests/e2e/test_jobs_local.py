@@ -106,6 +106,7 @@ def test_contract_channels_artifacts_and_metrics(jobs, tmp_path):
     assert "epoch=1 train_loss=0.5000" in logs.stdout
 
 
+@pytest.mark.extended  # a failed job's report: test_cli_submit_exit_codes_and_errors
 @pytest.mark.timeout(300)
 def test_failures_and_concurrent_jobs(jobs, tmp_path):
     """Three jobs at once: one completes, one raises, one writes a failure file."""
@@ -140,6 +141,7 @@ def test_failures_and_concurrent_jobs(jobs, tmp_path):
             {"train": str(data)}, logs=False)
 
 
+@pytest.mark.extended  # long: two attempts of one job
 @pytest.mark.timeout(240)
 def test_resume_by_name_restores_checkpoints(jobs, tmp_path):
     data = data_dir(tmp_path / "d", 2)
@@ -171,6 +173,7 @@ def test_resume_by_name_restores_checkpoints(jobs, tmp_path):
                             (2, "Completed")]
 
 
+@pytest.mark.extended  # long: waits for jobs to run, then stops them
 @pytest.mark.timeout(240)
 def test_stop_and_max_run(jobs, tmp_path):
     data = data_dir(tmp_path / "d", 2)

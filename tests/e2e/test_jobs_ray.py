@@ -16,6 +16,7 @@ if skip_reason():
 from run_jobs import digits_channels, vit_estimator
 
 
+@pytest.mark.extended  # starts a Ray instance of its own
 @pytest.mark.timeout(300)
 def test_without_address_a_local_ray_is_started(jobs, tmp_path, monkeypatch):
     """No cluster given: the runner starts a one-node Ray for the job; both instances land
@@ -47,6 +48,7 @@ def test_vit_job_on_two_ray_nodes(jobs, ray_cluster, digits):  # noqa: F811
     assert "rendezvous 127.0.0.2:" in log
 
 
+@pytest.mark.extended  # long fault test
 @pytest.mark.timeout(300)
 def test_lost_node_fails_the_job(jobs, ray_cluster, tmp_path):
     """Runs last: it takes the worker node down."""

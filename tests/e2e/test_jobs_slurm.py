@@ -69,6 +69,7 @@ def test_vit_job_on_two_slurm_nodes(jobs, slurm, digits, monkeypatch):  # noqa: 
 
 
 @needs_slurm
+@pytest.mark.extended  # long fault test
 @pytest.mark.timeout(300)
 def test_slurm_failure_and_stop(jobs, slurm, monkeypatch, tmp_path):
     slurm.use_in(monkeypatch)

@@ -32,6 +32,7 @@ def check_vit_job(est, digits: Path) -> None:
     assert result["accuracy"] == pytest.approx(accuracy[-1], abs=1e-4)
 
 
+@pytest.mark.extended  # the ViT job on Ray and SLURM nodes stays in the default tier
 @pytest.mark.timeout(300)
 def test_vit_job_hybrid_tensor_parallel(jobs, digits):
     est = vit_estimator("hybrid-tp", epochs=2, jobs_dir=jobs.dir)

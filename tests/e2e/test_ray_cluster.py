@@ -185,6 +185,7 @@ def _assert_nothing_left(cluster: RayCluster):
         assert node.process.poll() is not None
 
 
+@pytest.mark.extended  # long fault test
 @pytest.mark.timeout(240)
 def test_lost_node_with_default_health_checks(tmp_path_factory):
     """Default settings: the call in flight fails within seconds with ActorUnavailableError
@@ -205,6 +206,7 @@ def test_lost_node_with_default_health_checks(tmp_path_factory):
     _assert_nothing_left(cluster)
 
 
+@pytest.mark.extended  # long fault test
 @pytest.mark.timeout(240)
 def test_lost_node_with_fast_health_checks(tmp_path_factory):
     """With FAST_NODE_DEATH the call in flight fails with ActorDiedError directly, within a

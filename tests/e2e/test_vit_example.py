@@ -80,6 +80,7 @@ def test_trains_above_chance_and_saves_a_model_one_process_loads(modelparallel, 
           f"reloaded: {result['accuracy']:.4f}")
 
 
+@pytest.mark.extended  # long: two runs
 @pytest.mark.timeout(240)
 def test_a_job_started_again_resumes_after_the_last_epoch(modelparallel, clean_env, digits,
                                                           tmp_path):
