@@ -14,10 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modelparallel import config_keys
+from modelparallel import config_keys, schedule_rules
 from modelparallel.config_files import read_launcher_config, read_source
 from modelparallel.errors import ConfigError
-from modelparallel.parallel.pipeline import schedule_rules
 
 logger = logging.getLogger("modelparallel")
 
@@ -31,7 +30,7 @@ class Config:
     """Every configuration key of SMP v1 (``modelparallel`` parameters) and SMP v2.
 
     Build it with :meth:`Config.load` (dict, JSON/YAML path, ``None``) so that
-    aliases are resolved and every value is checked; :meth:`validate_world` adds the
+    aliases are resolved and every value is checked; ``topology.check_world`` adds the
     checks that need the world size.
     """
 
@@ -242,77 +241,25 @@ class Config:
             return "bf16"
         return "fp16" if (self.fp16 or self.fp16_params) else None
 
-    def data_parallel_size(self, world_size: int) -> int:
-        """Ranks that hold the same model part: world / (pp * tp * cp * ep)."""
-        return world_size // self._model_parallel_product()
-
-    def shard_size(self, world_size: int) -> int:
-        """dp_shard: ranks one parameter is sharded over (1 = replicated)."""
-        dp = self.data_parallel_size(world_size)
-        degree = self.hybrid_shard_degree or self._sdp_degree()
-        return dp if degree == 0 else degree
-
-    @property
-    def shards_explicitly(self) -> bool:
-        """Whether the configuration asks for sharded parameters by degree
-        (``hybrid_shard_degree`` >= 2 or ``sharded_data_parallel_degree`` > 1), which
-        ``ddp=True`` and ``mp.replicate()`` may not override."""
-        return self.sharded_data_parallel_degree > 1 or self.hybrid_shard_degree >= 2
-
-    @property
-    def sets_shard_layout(self) -> bool:
-        """Whether the configuration says how parameters are sharded at all: not
-        ``hybrid_shard_degree`` 0 (SMP v2: an FSDP1 script's own strategy stands) without
-        ``sharded_data_parallel_degree``."""
-        return self.hybrid_shard_degree != 0 or self.sharded_data_parallel_degree > 1
-
-    # -- validation ---------------------------------------------------------------------
-    def validate_world(self, world_size: int) -> None:
-        """Check the degrees against a world size; raise ConfigError naming every problem."""
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError([("world_size", f"{world_size!r} is not a number of processes; "
-                                              f"use an integer >= 1")])
-        problems: list[tuple[str, str]] = []
-        product = self._model_parallel_product()
-        if world_size % product:
-            factors = " x ".join(
-                f"{k}={getattr(self, k)}" for k in _DEGREE_KEYS if getattr(self, k) > 1)
-            problems.append((
-                "tensor_parallel_degree" if self.tensor_parallel_degree > 1
-                else "pipeline_parallel_degree",
-                f"{factors} = {product} does not divide the world size {world_size}; "
-                f"use degrees whose product divides {world_size}, or launch a multiple "
-                f"of {product} processes"))
-        else:
-            dp = world_size // product
-            degree = self.hybrid_shard_degree or self._sdp_degree()
-            key = "hybrid_shard_degree" if self.hybrid_shard_degree else \
-                "sharded_data_parallel_degree"
-            if degree and dp % degree:
-                # sharded_data_parallel_degree has no 0 ("all ranks"); its minimum is 1
-                zero = [0] if key == "hybrid_shard_degree" else []
-                valid = ", ".join(str(d) for d in [*zero, *_divisors(dp)])
-                problems.append((key, f"{degree} does not divide the data-parallel size {dp} "
-                                      f"(world size {world_size} / {product} model-parallel "
-                                      f"ranks); valid values: {valid}"))
-            elif self.pipeline_parallel_degree > 1 and self.pipeline_shards(degree or dp):
-                problems += schedule_rules.check_sharded_stages(self.pipeline, degree or dp)
-        if problems:
-            raise ConfigError(problems)
-
-    def pipeline_shards(self, dp_shard: int) -> bool:
-        """Whether DistributedModel shards parameters with FSDP over ``dp_shard`` ranks
-        (else replicas all-reduce): ``ddp=True`` asks for replicas unless sharding is
-        asked for explicitly (``sharded_data_parallel_degree`` > 1 or
-        ``hybrid_shard_degree`` >= 2)."""
-        return dp_shard > 1 and (not self.ddp or self.shards_explicitly)
-
-    def _model_parallel_product(self) -> int:
+    def model_parallel_product(self) -> int:
+        """Ranks one model replica spans: pp x tp x cp x ep."""
         return (self.tensor_parallel_degree * self.pipeline_parallel_degree
                 * self.context_parallel_degree * self.expert_parallel_degree)
 
-    def _sdp_degree(self) -> int:
-        return self.sharded_data_parallel_degree if self.sharded_data_parallel_degree > 1 else 0
+    @property
+    def shard_degree(self) -> int:
+        """The degree data parallelism shards over as asked: ``hybrid_shard_degree``, or
+        ``sharded_data_parallel_degree`` when that is > 1 (0: every data-parallel rank)."""
+        sdp = self.sharded_data_parallel_degree
+        return self.hybrid_shard_degree or (sdp if sdp > 1 else 0)
+
+    def with_changes(self, **changes: Any) -> Config:
+        """This configuration with ``changes`` (checked as :meth:`load` checks), the
+        changed keys counted as set by the user (``tsm.state`` degree setters)."""
+        updated = dataclasses.replace(self, **changes)
+        updated._check_values(warn=False)
+        object.__setattr__(updated, "_explicit", self.explicit | frozenset(changes))
+        return updated
 
     def _check_values(self, warn: bool = True) -> None:
         problems: list[tuple[str, str]] = []
@@ -375,17 +322,13 @@ class Config:
         return problems
 
 
-_DEGREE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree",
-                "context_parallel_degree", "expert_parallel_degree")
+DEGREE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree",
+               "context_parallel_degree", "expert_parallel_degree")
 
 # Keys whose non-default values name features this library does not provide yet
 # (declared with ``not_built=`` on the key).
 _NOT_BUILT = {f.name: f.metadata["not_built"] for f in dataclasses.fields(Config)
               if f.metadata["not_built"]}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def normalise(data: dict[str, Any], origin: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from modelparallel.config import Config
-from modelparallel.topology import GROUP_DIMS, CommGroup, Topology
+from modelparallel.topology import GROUP_DIMS, CommGroup, DataParallelLayout, Topology
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -31,6 +31,7 @@ class ParallelContext:
 
     config: Config
     topology: Topology
+    data_parallel: DataParallelLayout  # how the data-parallel ranks hold a model
     mesh: DeviceMesh  # the root mesh, dims pp x dp_replicate x dp_shard x tp
     meshes: Mapping[str, DeviceMesh]  # a 1-D mesh per dim and per SMP group
     device: torch.device
@@ -69,5 +70,5 @@ class ParallelContext:
     @property
     def shards_pipeline_stages(self) -> bool:
         """FSDP over the data-parallel ranks of a DistributedModel, or (False) replicas
-        that all-reduce gradients (``Config.pipeline_shards``)."""
-        return self.config.pipeline_shards(self.topology.dp_shard)
+        that all-reduce gradients (``DataParallelLayout.pipeline_shards``)."""
+        return self.data_parallel.pipeline_shards

@@ -19,8 +19,9 @@ from torch import nn
 
 KEY = "_modelparallel_state"
 
-# torch's wrappers that pass a missed attribute lookup on to the module they hold
-_FORWARDING_CHILDREN = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+# torch's wrappers that pass a missed attribute lookup on to the module they hold: FSDP1,
+# the activation checkpoint/offload wrappers, torch.compile's OptimizedModule
+_FORWARDING_CHILDREN = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
 @dataclass

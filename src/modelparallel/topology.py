@@ -1,9 +1,13 @@
-"""Degrees -> a named device mesh, and SMP's rank arithmetic.
+"""Degrees -> a named device mesh, and SMP's rank arithmetic: the layout decided once.
 
-:class:`Topology` is pure arithmetic (no processes): which coordinate a rank has on
-each mesh dimension and which ranks form each SMP group. :func:`build_mesh` turns it
-into one ``DeviceMesh`` with the named dims ``pp, dp_replicate, dp_shard, tp`` in the
-order the placement strategy gives.
+Everything the degrees mean for a world size is worked out here and nowhere else:
+:func:`check_world` checks them against it, :meth:`Topology.from_config` lays the ranks
+out, and :class:`DataParallelLayout` says how the data-parallel ranks hold a model (the
+shard size, and what ``hybrid_shard_degree`` and ``ddp`` ask of each API).
+:class:`Topology` is pure arithmetic (no processes): which coordinate a rank has on each
+mesh dimension and which ranks form each SMP group. :func:`build_mesh` turns it into one
+``DeviceMesh`` with the named dims ``pp, dp_replicate, dp_shard, tp`` in the order the
+placement strategy gives.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from modelparallel.config import Config
+from modelparallel import schedule_rules
+from modelparallel.config import DEGREE_KEYS, Config
+from modelparallel.errors import ConfigError
 
 # Letters of placement_strategy -> mesh dims they stand for (outermost first).
 LETTER_DIMS = {"D": ("dp_replicate", "dp_shard"), "P": ("pp",), "T": ("tp",)}
@@ -64,9 +70,10 @@ class Topology:
 
     @classmethod
     def from_config(cls, config: Config, world_size: int) -> Topology:
-        config.validate_world(world_size)
-        dp = config.data_parallel_size(world_size)
-        shard = config.shard_size(world_size)
+        """The layout of ``world_size`` ranks under ``config`` (checked against it)."""
+        check_world(config, world_size)
+        dp = data_parallel_size(config, world_size)
+        shard = shard_size(config, world_size)
         return cls(pp=config.pipeline_parallel_degree, dp_replicate=dp // shard,
                    dp_shard=shard, tp=config.tensor_parallel_degree,
                    order=config.placement_order)
@@ -154,3 +161,101 @@ def build_mesh(topology: Topology, device_type: str):
         meshes[group.value] = mesh[dims]._flatten(group.value)
     meshes.update((d, mesh[d]) for d in topology.dim_names)
     return mesh, meshes
+
+
+# -- what the degrees mean for a world size ----------------------------------------------
+
+def data_parallel_size(config: Config, world_size: int) -> int:
+    """Ranks that hold the same model part: world / (pp x tp x cp x ep)."""
+    return world_size // config.model_parallel_product()
+
+
+def shard_size(config: Config, world_size: int) -> int:
+    """dp_shard: ranks one parameter is sharded over (1 = replicated)."""
+    degree = config.shard_degree
+    return data_parallel_size(config, world_size) if degree == 0 else degree
+
+
+def check_world(config: Config, world_size: int) -> None:
+    """Check the degrees against a world size; raise ConfigError naming every problem."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError([("world_size", f"{world_size!r} is not a number of processes; "
+                                          f"use an integer >= 1")])
+    problems: list[tuple[str, str]] = []
+    product = config.model_parallel_product()
+    if world_size % product:
+        factors = " x ".join(
+            f"{k}={getattr(config, k)}" for k in DEGREE_KEYS if getattr(config, k) > 1)
+        problems.append((
+            "tensor_parallel_degree" if config.tensor_parallel_degree > 1
+            else "pipeline_parallel_degree",
+            f"{factors} = {product} does not divide the world size {world_size}; "
+            f"use degrees whose product divides {world_size}, or launch a multiple "
+            f"of {product} processes"))
+    else:
+        dp = world_size // product
+        degree = config.shard_degree
+        key = "hybrid_shard_degree" if config.hybrid_shard_degree else \
+            "sharded_data_parallel_degree"
+        if degree and dp % degree:
+            # sharded_data_parallel_degree has no 0 ("all ranks"); its minimum is 1
+            zero = [0] if key == "hybrid_shard_degree" else []
+            valid = ", ".join(str(d) for d in [*zero, *_divisors(dp)])
+            problems.append((key, f"{degree} does not divide the data-parallel size {dp} "
+                                  f"(world size {world_size} / {product} model-parallel "
+                                  f"ranks); valid values: {valid}"))
+        elif config.pipeline_parallel_degree > 1 and \
+                _pipeline_shards(config, degree or dp):
+            problems += schedule_rules.check_sharded_stages(config.pipeline, degree or dp)
+    if problems:
+        raise ConfigError(problems)
+
+
+def fits(config: Config, world_size: int) -> bool:
+    """Whether ``config``'s degrees lay out ``world_size`` ranks (:func:`check_world`)."""
+    try:
+        check_world(config, world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _explicit_sharding(config: Config) -> bool:
+    return config.sharded_data_parallel_degree > 1 or config.hybrid_shard_degree >= 2
+
+
+def _pipeline_shards(config: Config, dp_shard: int) -> bool:
+    return dp_shard > 1 and (not config.ddp or _explicit_sharding(config))
+
+
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """How the data-parallel ranks hold a model: decided once per ``mp.init()`` from the
+    checked configuration and the topology, kept in the ``ParallelContext``; every
+    applier reads it and none works it out again (docs/architecture.md)."""
+
+    size: int  # ranks holding the same model part (rdp: dp_replicate x dp_shard)
+    shard_size: int  # dp_shard: ranks one parameter is sharded over (1 = replicated)
+    replicas: int  # dp_replicate: copies of each shard
+    # hybrid_shard_degree >= 2 or sharded_data_parallel_degree > 1: sharding asked for
+    # by degree, which ddp=True and mp.replicate() may not override
+    explicit_sharding: bool
+    # hybrid_shard_degree != 0 or sharded_data_parallel_degree > 1: the configuration
+    # says how to shard at all (0: an FSDP1 script's own strategy stands, as in SMP v2)
+    sets_shard_layout: bool
+    # DistributedModel and mp.shard wrap with FSDP2 over dp_shard; False: replicas
+    # all-reduce whole gradients (dp_shard 1, or ddp=True without explicit sharding)
+    pipeline_shards: bool
+
+    @classmethod
+    def decide(cls, config: Config, topology: Topology) -> DataParallelLayout:
+        return cls(size=topology.dp_replicate * topology.dp_shard,
+                   shard_size=topology.dp_shard, replicas=topology.dp_replicate,
+                   explicit_sharding=_explicit_sharding(config),
+                   sets_shard_layout=config.hybrid_shard_degree != 0
+                   or config.sharded_data_parallel_degree > 1,
+                   pipeline_shards=_pipeline_shards(config, topology.dp_shard))

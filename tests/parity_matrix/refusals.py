@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelparallel.parallel.pipeline.schedule_rules import SPLIT_BACKWARD_SCHEDULES
+from modelparallel.schedule_rules import SPLIT_BACKWARD_SCHEDULES
 from parity_matrix.space import Case
 from parity_matrix.zoo import TIED_MODELS
 

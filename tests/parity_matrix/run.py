@@ -111,9 +111,10 @@ def _cached_reference(case: Case, *, sliced: bool = False,
 def _check_config(case: Case) -> str:
     """What ``modelparallel check-config`` says of the case's configuration ('' if valid)."""
     from modelparallel.config import Config, ConfigError
+    from modelparallel.topology import check_world
 
     try:
-        Config.load(case.config(), environ={}).validate_world(case.layout.processes)
+        check_world(Config.load(case.config(), environ={}), case.layout.processes)
     except ConfigError as e:
         return str(e)
     return ""

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from modelparallel.parallel.pipeline.schedule_rules import MULTI_STAGE_SCHEDULES, check_schedule
+from modelparallel.schedule_rules import MULTI_STAGE_SCHEDULES, check_schedule
 from parity_matrix.zoo import MODELS
 
 WORLDS: tuple[int | str, ...] = (1, 2, 4, 8, "2x2")

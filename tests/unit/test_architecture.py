@@ -159,3 +159,23 @@ def test_no_source_file_is_longer_than_the_limit():
     long = {str(p.relative_to(SRC)): n for p in MODULES.values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+# the bottom layers, each importing only those below it: a walk from init() down never
+# climbs back up (docs/architecture.md, "One step, from configuration to collective")
+LAYERS = {
+    "errors": set(),
+    "schedule_rules": set(),
+    "config_keys": {"errors"},
+    "config_files": {"errors"},
+    "config": {"errors", "schedule_rules", "config_keys", "config_files"},
+    "topology": {"errors", "schedule_rules", "config"},
+    "context": {"config", "topology"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(LAYERS))
+def test_the_bottom_layers_import_only_what_is_below_them(module: str):
+    (name,) = _inside(module)
+    allowed = {f"{PACKAGE}.{m}" for m in LAYERS[module]}
+    assert GRAPH[name] <= allowed, sorted(GRAPH[name] - allowed)

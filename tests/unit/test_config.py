@@ -10,6 +10,13 @@ import pytest
 
 from modelparallel.config import Config, ConfigError
 from modelparallel.config_files import read_config_file
+from modelparallel.topology import (
+    DataParallelLayout,
+    Topology,
+    check_world,
+    data_parallel_size,
+    shard_size,
+)
 
 
 def load(source=None, **environ) -> Config:
@@ -407,7 +414,7 @@ class TestCombinations:
     @pytest.mark.parametrize("hybrid", [0, 2])
     def test_sharded_data_parallel_agreeing_with_hybrid(self, hybrid):
         config = load({"sharded_data_parallel_degree": 2, "hybrid_shard_degree": hybrid})
-        assert config.shard_size(8) == 2
+        assert shard_size(config, 8) == 2
 
     @pytest.mark.parametrize("value", [0, 0.0, -5, float("inf"), float("nan")])
     def test_collective_timeout_must_be_positive_and_finite(self, value):
@@ -726,7 +733,7 @@ class TestExplicitKeys:
 
 
 class TestWorldSize:
-    """validate_world and shard_size: degrees against the number of processes."""
+    """check_world and shard_size (topology.py): degrees against the number of processes."""
 
     @pytest.mark.parametrize(("given", "world"), [
         ({}, 1),
@@ -739,7 +746,7 @@ class TestWorldSize:
         ({"pipeline_parallel_degree": 3}, 12),
     ])
     def test_valid_world(self, given, world):
-        load(given).validate_world(world)  # raises on failure
+        check_world(load(given), world)  # raises on failure
 
     @pytest.mark.parametrize(("given", "world", "factors", "product", "key"), [
         ({"tensor_parallel_degree": 3}, 8, "tensor_parallel_degree=3", 3, "tensor_parallel_degree"),
@@ -750,7 +757,7 @@ class TestWorldSize:
     ])
     def test_degrees_not_dividing_world(self, given, world, factors, product, key):
         with pytest.raises(ConfigError) as info:
-            load(given).validate_world(world)
+            check_world(load(given), world)
         msg = message_for(info.value, key)
         assert msg.startswith(f"{factors} = {product} does not divide the world size {world}")
 
@@ -762,18 +769,18 @@ class TestWorldSize:
     def test_shard_degree_not_dividing_data_parallel_size(self, key, degree, valid):
         config = load({"tensor_parallel_degree": 2, key: degree})
         with pytest.raises(ConfigError) as info:
-            config.validate_world(8)
+            check_world(config, 8)
         msg = message_for(info.value, key)
         assert msg.startswith(f"{degree} does not divide the data-parallel size 4")
         assert "world size 8" in msg
         assert msg.endswith(f"valid values: {valid}")
         for value in valid.split(", "):  # every listed value really is valid
-            load({"tensor_parallel_degree": 2, key: int(value)}).validate_world(8)
+            check_world(load({"tensor_parallel_degree": 2, key: int(value)}), 8)
 
     @pytest.mark.parametrize("world", [0, -2, 2.0, True])
     def test_world_size_must_be_positive_int(self, world):
         with pytest.raises(ConfigError) as info:
-            load().validate_world(world)
+            check_world(load(), world)
         assert info.value.keys == ["world_size"]
         assert repr(world) in str(info.value)
 
@@ -789,8 +796,8 @@ class TestWorldSize:
     ])
     def test_shard_size(self, given, world, dp, shard):
         config = load(given)
-        assert config.data_parallel_size(world) == dp
-        assert config.shard_size(world) == shard
+        assert data_parallel_size(config, world) == dp
+        assert shard_size(config, world) == shard
 
 
 @pytest.mark.parametrize("keys, explicit, sets_layout", [
@@ -800,8 +807,11 @@ class TestWorldSize:
     ({"sharded_data_parallel_degree": 2}, True, True),
 ])
 def test_the_questions_asked_of_the_sharding_keys(keys, explicit, sets_layout):
-    config = Config.load(keys, environ={})
-    assert config.shards_explicitly is explicit
-    assert config.sets_shard_layout is sets_layout
-    assert config.pipeline_shards(2) is True
-    assert Config.load({**keys, "ddp": True}, environ={}).pipeline_shards(2) is explicit
+    two_shards = Topology(pp=1, dp_replicate=1, dp_shard=2, tp=1)
+    layout = DataParallelLayout.decide(Config.load(keys, environ={}), two_shards)
+    assert layout.explicit_sharding is explicit
+    assert layout.sets_shard_layout is sets_layout
+    assert layout.pipeline_shards is True
+    with_ddp = DataParallelLayout.decide(Config.load({**keys, "ddp": True}, environ={}),
+                                         two_shards)
+    assert with_ddp.pipeline_shards is explicit

@@ -4,7 +4,6 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from modelparallel.config import Config, ConfigError
-from modelparallel.parallel.pipeline.schedule_rules import PIPELINE_SCHEDULES
 from modelparallel.parallel.pipeline.schedules import (
     CLASSES,
     rank_of_stage,
@@ -12,6 +11,7 @@ from modelparallel.parallel.pipeline.schedules import (
     schedule_class,
     stages_of_rank,
 )
+from modelparallel.schedule_rules import PIPELINE_SCHEDULES
 
 
 def problems(**config) -> dict[str, str]:

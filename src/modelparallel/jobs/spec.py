@@ -21,6 +21,7 @@ import yaml
 from modelparallel.config import Config, ConfigError, normalise
 from modelparallel.jobs.channels import TrainingInput, check_channel
 from modelparallel.jobs.errors import JobError
+from modelparallel.topology import check_world
 
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker's job names
 BACKENDS = ("local", "ray", "slurm", "kubernetes")
@@ -208,7 +209,7 @@ def build_spec(*, entry_point: Any, source_dir: Any, instance_count: Any,
     pph = processes_per_host or mpi_pph or default_processes_per_host()
     if config:
         try:
-            Config.load(config, environ={}).validate_world(instance_count * pph)
+            check_world(Config.load(config, environ={}), instance_count * pph)
         except ConfigError as e:
             where = _distribution_where(distribution)
             for key, msg in e.problems:

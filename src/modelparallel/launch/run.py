@@ -30,6 +30,7 @@ from modelparallel.config import Config, normalise
 from modelparallel.config_files import read_config_file
 from modelparallel.launch.run_dir import keep_run_directory
 from modelparallel.launch.worker import COLLECTIVE_TIMEOUT
+from modelparallel.topology import check_world
 
 LOOPBACK = "127.0.0.1"
 PREFIX = "[rank${rank}]: "
@@ -69,7 +70,7 @@ def launch_config_json(path: str | None, world_size: int) -> str | None:
     if path is None:
         return None
     explicit, config = load_config_file(path)
-    config.validate_world(world_size)
+    check_world(config, world_size)
     return json.dumps(explicit)
 
 

@@ -38,6 +38,7 @@ from modelparallel.config_files import read_config_file, read_launcher_config
 from modelparallel.errors import ConfigError
 from modelparallel.observe import run_output
 from modelparallel.observe.progress import PROGRESS_TTY
+from modelparallel.topology import check_world
 from modelparallel.version import __version__
 
 RUNS_DIR = "MODELPARALLEL_RUNS_DIR"  # where default run directories are made
@@ -93,7 +94,7 @@ def launch_config(opts: LaunchOptions, world_size: int) -> tuple[dict[str, Any],
     else:
         explicit = normalise(read_launcher_config(os.environ), origin="MP_CONFIG")
     config = Config.load(explicit, environ={})
-    config.validate_world(world_size)
+    check_world(config, world_size)
     return explicit, config
 
 

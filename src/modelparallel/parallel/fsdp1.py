@@ -93,8 +93,8 @@ def fsdp1_arguments(ctx: ParallelContext, arguments: dict[str, Any], *,
     _apply_precision(ctx.config, args)
     if args.get("process_group") is not None or args.get("device_mesh") is not None:
         return args  # the script chose its own groups
-    cfg, topo = ctx.config, ctx.topology
-    if not cfg.sets_shard_layout and topo.tp == 1:
+    topo = ctx.topology
+    if not ctx.data_parallel.sets_shard_layout and topo.tp == 1:
         return args  # SMP v2: hybrid_shard_degree 0 means PyTorch's own behaviour
     asked = args.get("sharding_strategy")
     no_shard = split and asked is _S.NO_SHARD  # cannot hold tensor-parallel DTensors

@@ -63,7 +63,7 @@ def replicate(model: nn.Module, ctx: ParallelContext, **ddp_kwargs: Any) -> nn.M
 def _check_replicated_layout(ctx: ParallelContext) -> None:
     """Replicating where the configuration asks for sharding is refused, not ignored."""
     c = ctx.config
-    if not c.shards_explicitly:
+    if not ctx.data_parallel.explicit_sharding:
         return
     if c.sharded_data_parallel_degree > 1:
         raise ConfigError([("sharded_data_parallel_degree", (

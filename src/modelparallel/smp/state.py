@@ -7,7 +7,6 @@ context as an argument.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import os
@@ -22,7 +21,7 @@ from modelparallel.context import ParallelContext
 from modelparallel.smp import fsdp1_hook
 from modelparallel.smp.errors import NotInitializedError
 from modelparallel.smp.v2_state import V2Attributes
-from modelparallel.topology import CommGroup, Topology, build_mesh
+from modelparallel.topology import CommGroup, DataParallelLayout, Topology, build_mesh, fits
 
 logger = logging.getLogger("modelparallel")
 
@@ -155,7 +154,9 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     timeout, default_too = _group_timeout(cfg, timeout, device.type)
     _set_timeouts(timeout, mesh, meshes, default_too)
     state.set(ParallelContext(
-        config=cfg, topology=topology, mesh=mesh, meshes=meshes, device=device,
+        config=cfg, topology=topology,
+        data_parallel=DataParallelLayout.decide(cfg, topology), mesh=mesh, meshes=meshes,
+        device=device,
         rank=dist.get_rank(), local_rank=local_rank,
         local_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
         group_labels=_label_groups(meshes), generation=state.generation + 1))
@@ -179,10 +180,7 @@ def _with_overrides(cfg: Config, overrides: dict[str, int]) -> Config:
         logger.warning("tsm.state set before init overrides the configuration: %s",
                        ", ".join(f"{k}: {getattr(cfg, k)!r} -> {v!r}"
                                  for k, v in changed.items()))
-    updated = dataclasses.replace(cfg, **changed)  # type: ignore[arg-type]
-    updated._check_values(warn=False)
-    object.__setattr__(updated, "_explicit", cfg.explicit | frozenset(changed))
-    return updated
+    return cfg.with_changes(**changed)
 
 
 def _device(cfg: Config, local_rank: int) -> torch.device:
@@ -295,7 +293,7 @@ def _with_launch_hint(error: ConfigError, cfg: Config, world_size: int) -> Confi
     how to launch it."""
     if world_size != 1 or "RANK" in os.environ:
         return error
-    needed = next((n for n in range(2, 4097) if _fits(cfg, n)), None)
+    needed = next((n for n in range(2, 4097) if fits(cfg, n)), None)
     if needed is None:
         return error
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
@@ -305,9 +303,3 @@ def _with_launch_hint(error: ConfigError, cfg: Config, world_size: int) -> Confi
                   f"--nproc-per-node {needed} {script}`")])
 
 
-def _fits(cfg: Config, world_size: int) -> bool:
-    try:
-        cfg.validate_world(world_size)
-    except ConfigError:
-        return False
-    return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from modelparallel.parallel.pipeline.schedule_rules import MULTI_STAGE_SCHEDULES
+from modelparallel.schedule_rules import MULTI_STAGE_SCHEDULES
 
 CLASSES = {
     "simple": torch_schedules.ScheduleGPipe,
