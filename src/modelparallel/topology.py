@@ -256,6 +256,5 @@ class DataParallelLayout:
         return cls(size=topology.dp_replicate * topology.dp_shard,
                    shard_size=topology.dp_shard, replicas=topology.dp_replicate,
                    explicit_sharding=_explicit_sharding(config),
-                   sets_shard_layout=config.hybrid_shard_degree != 0
-                   or config.sharded_data_parallel_degree > 1,
+                   sets_shard_layout=config.shard_degree != 0,
                    pipeline_shards=_pipeline_shards(config, topology.dp_shard))
