@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from modelparallel.config import Config
-from modelparallel.topology import GROUP_DIMS, CommGroup, DataParallelLayout, Topology
+from modelparallel.precision_policy import PrecisionPolicy
+from modelparallel.topology import GROUP_DIMS, CommGroup, DataParallelLayout, Topology, Wrapper
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -32,6 +33,7 @@ class ParallelContext:
     config: Config
     topology: Topology
     data_parallel: DataParallelLayout  # how the data-parallel ranks hold a model
+    precision: PrecisionPolicy  # the dtypes of parameters, gradients and buffers
     mesh: DeviceMesh  # the root mesh, dims pp x dp_replicate x dp_shard x tp
     meshes: Mapping[str, DeviceMesh]  # a 1-D mesh per dim and per SMP group
     device: torch.device
@@ -70,5 +72,9 @@ class ParallelContext:
     @property
     def shards_pipeline_stages(self) -> bool:
         """FSDP over the data-parallel ranks of a DistributedModel, or (False) replicas
-        that all-reduce gradients (``DataParallelLayout.pipeline_shards``)."""
-        return self.data_parallel.pipeline_shards
+        that all-reduce gradients (``DataParallelLayout.model_wrapper``)."""
+        return self.data_parallel.model_wrapper is Wrapper.FSDP2
+
+    def gradient_group(self, tp_replicas: bool) -> dist.ProcessGroup:
+        """Where a data-parallel gradient is averaged (``DataParallelLayout.averaging``)."""
+        return self.process_group(self.data_parallel.averaging(tp_replicas))

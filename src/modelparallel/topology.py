@@ -36,6 +36,15 @@ class CommGroup(enum.Enum):
     MP_GROUP = "mp"  # one whole model replica: pipeline x tensor parallel
 
 
+class Wrapper(enum.Enum):
+    """What holds a model's data-parallel copies."""
+
+    FSDP2 = "fsdp2"  # torch's fully_shard (mp.shard, DistributedModel when sharding)
+    FSDP1 = "fsdp1"  # torch's FullyShardedDataParallel, as scripts call it
+    DDP = "ddp"  # torch's DistributedDataParallel (mp.replicate)
+    REPLICAS = "replicas"  # DistributedModel all-reduces whole gradients itself
+
+
 class RankType(enum.Enum):
     """How a peer rank passed to ``send``/``recv_from`` is interpreted."""
 
@@ -247,9 +256,11 @@ class DataParallelLayout:
     # hybrid_shard_degree != 0 or sharded_data_parallel_degree > 1: the configuration
     # says how to shard at all (0: an FSDP1 script's own strategy stands, as in SMP v2)
     sets_shard_layout: bool
-    # DistributedModel and mp.shard wrap with FSDP2 over dp_shard; False: replicas
-    # all-reduce whole gradients (dp_shard 1, or ddp=True without explicit sharding)
-    pipeline_shards: bool
+    # what DistributedModel holds each stage in: FSDP2 over dp_shard, or REPLICAS that
+    # all-reduce whole gradients (dp_shard 1, or ddp=True without explicit sharding).
+    # The other calls name their wrapper: mp.shard FSDP2, mp.replicate DDP, a script's
+    # FullyShardedDataParallel FSDP1 (each over this record's shard size and replicas).
+    model_wrapper: Wrapper
 
     @classmethod
     def decide(cls, config: Config, topology: Topology) -> DataParallelLayout:
@@ -257,4 +268,13 @@ class DataParallelLayout:
                    shard_size=topology.dp_shard, replicas=topology.dp_replicate,
                    explicit_sharding=_explicit_sharding(config),
                    sets_shard_layout=config.shard_degree != 0,
-                   pipeline_shards=_pipeline_shards(config, topology.dp_shard))
+                   model_wrapper=Wrapper.FSDP2 if _pipeline_shards(config, topology.dp_shard)
+                   else Wrapper.REPLICAS)
+
+    @staticmethod
+    def averaging(tp_replicas: bool) -> CommGroup:
+        """The group a parameter's gradient is averaged over, whatever the wrapper: the
+        reduced data-parallel ranks (same stage, same tensor-parallel shard), or all
+        data-parallel ranks when the tensor-parallel ranks hold the model whole and are
+        replicas too (each trains it on its own batch, as in SMP v1)."""
+        return CommGroup.DP_GROUP if tp_replicas else CommGroup.RDP_GROUP

@@ -64,7 +64,8 @@ def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunRe
     (``sliced``) the batch cut as the parallel run cuts it, one backward per slice.
     ``exact``: the same model and data in float64 with no precision policy, the answer
     that every precision and summation order approximates."""
-    from modelparallel.parallel.precision import HALF, LossScaler, compute_in
+    from modelparallel.parallel.precision import LossScaler, compute_in
+    from modelparallel.precision_policy import HALF
 
     model = zoo.build(case.model, case.layers, case.dropout, SEED, unused=case.unused)
     initial = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}

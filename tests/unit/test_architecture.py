@@ -170,7 +170,8 @@ LAYERS = {
     "config_files": {"errors"},
     "config": {"errors", "schedule_rules", "config_keys", "config_files"},
     "topology": {"errors", "schedule_rules", "config"},
-    "context": {"config", "topology"},
+    "precision_policy": {"config"},
+    "context": {"config", "topology", "precision_policy"},
 }
 
 

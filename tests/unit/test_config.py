@@ -7,12 +7,15 @@ import json
 import logging
 
 import pytest
+import torch
 
 from modelparallel.config import Config, ConfigError
 from modelparallel.config_files import read_config_file
+from modelparallel.precision_policy import PrecisionPolicy
 from modelparallel.topology import (
     DataParallelLayout,
     Topology,
+    Wrapper,
     check_world,
     data_parallel_size,
     shard_size,
@@ -811,7 +814,20 @@ def test_the_questions_asked_of_the_sharding_keys(keys, explicit, sets_layout):
     layout = DataParallelLayout.decide(Config.load(keys, environ={}), two_shards)
     assert layout.explicit_sharding is explicit
     assert layout.sets_shard_layout is sets_layout
-    assert layout.pipeline_shards is True
+    assert layout.model_wrapper is Wrapper.FSDP2
     with_ddp = DataParallelLayout.decide(Config.load({**keys, "ddp": True}, environ={}),
                                          two_shards)
-    assert with_ddp.pipeline_shards is explicit
+    assert with_ddp.model_wrapper is (Wrapper.FSDP2 if explicit else Wrapper.REPLICAS)
+
+
+@pytest.mark.parametrize("keys, param, loss_scaling", [
+    ({}, None, False),
+    ({"bf16": True}, torch.bfloat16, False),
+    ({"fp16": True}, torch.float16, True),
+])
+def test_the_precision_policy_is_decided_from_the_half_keys(keys, param, loss_scaling):
+    policy = PrecisionPolicy.decide(Config.load(keys, environ={}))
+    assert (policy.param_dtype, policy.loss_scaling, policy.mixed) == \
+        (param, loss_scaling, param is not None)
+    assert policy.reduce_dtype == (torch.float32 if param else None)
+    assert policy.buffer_dtype is None  # buffers keep their dtype on every path

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modelparallel.context import ParallelContext
 from modelparallel.parallel import deferred
-from modelparallel.parallel.placement import is_meta
+from modelparallel.parallel.placement import is_meta, on_mesh_dims
 from modelparallel.parallel.replicas import broadcast_from_first
 from modelparallel.topology import CommGroup
 
@@ -223,7 +223,7 @@ def _still_meta(p: torch.Tensor | None) -> bool:
 
 
 def _fsdp_managed(p: torch.Tensor) -> bool:
-    return isinstance(p, DTensor) and bool(set(p.device_mesh.mesh_dim_names or ()) & _DATA_DIMS)
+    return on_mesh_dims(p, _DATA_DIMS)
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

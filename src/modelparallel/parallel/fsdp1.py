@@ -46,24 +46,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
     FullyShardedDataParallel,
-    MixedPrecision,
     ShardingStrategy,
 )
-from torch.distributed.tensor import DTensor
 
-from modelparallel.config import Config, ConfigError
 from modelparallel.context import ParallelContext
 from modelparallel.module_state import state_of
 from modelparallel.parallel import (
     fsdp1_limits,
     fsdp1_state,
     fsdp1_torch,
-    replicas,
     stale_params,
     unused_grads,
 )
 from modelparallel.parallel.clip import fsdp1_clip_grad_norm_
-from modelparallel.parallel.precision import HALF, require_loss_scaling
+from modelparallel.parallel.placement import holds_tensor_parallel
+from modelparallel.parallel.precision import fsdp1_policy, require_loss_scaling
 
 logger = logging.getLogger("modelparallel")
 
@@ -76,12 +73,6 @@ _TO_FLAT = {None: _S.FULL_SHARD, _S.FULL_SHARD: _S.FULL_SHARD,
             _S._HYBRID_SHARD_ZERO2: _S.SHARD_GRAD_OP, _S.NO_SHARD: _S.NO_SHARD}
 
 
-def holds_tensor_parallel(module: nn.Module) -> bool:
-    """Whether ``module`` has DTensor parameters on the ``tp`` mesh dimension."""
-    return any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
-               for p in module.parameters())
-
-
 def fsdp1_arguments(ctx: ParallelContext, arguments: dict[str, Any], *,
                     split: bool = False) -> dict[str, Any]:
     """The FSDP1 constructor arguments after applying the hybrid sharding policy.
@@ -90,7 +81,9 @@ def fsdp1_arguments(ctx: ParallelContext, arguments: dict[str, Any], *,
     args = dict(arguments)
     if not torch.cuda.is_available() and args.get("device_id") is None:
         args["device_id"] = torch.device("cpu")
-    _apply_precision(ctx.config, args)
+    if ctx.precision.mixed:
+        args["mixed_precision"] = fsdp1_policy(ctx.precision, args.get("mixed_precision"),
+                                               ctx.config.half_precision or "")
     if args.get("process_group") is not None or args.get("device_mesh") is not None:
         return args  # the script chose its own groups
     topo = ctx.topology
@@ -101,7 +94,7 @@ def fsdp1_arguments(ctx: ParallelContext, arguments: dict[str, Any], *,
     strategy, groups = _layout(ctx, None if no_shard else asked, split)
     if asked not in (None, strategy) and ctx.rank == 0:
         why = "FSDP1's NO_SHARD cannot hold tensor-parallel parameters" if no_shard else \
-            f"to follow hybrid_shard_degree={topo.dp_shard}" + (
+            f"to follow hybrid_shard_degree={ctx.data_parallel.shard_size}" + (
                 "" if split or topo.tp == 1 else
                 " with the tensor-parallel ranks as replicas of a model they hold whole")
         logger.warning("FSDP sharding_strategy %s becomes %s: %s", asked.name, strategy.name,
@@ -114,12 +107,12 @@ def _layout(ctx: ParallelContext, asked: ShardingStrategy | None,
             split: bool) -> tuple[ShardingStrategy, dict[str, Any]]:
     """The strategy and the groups: meshes where one has the dims (FSDP1 finds the mesh of
     tensor-parallel DTensor parameters through the data-parallel mesh's root)."""
-    topo = ctx.topology
-    replicas = topo.tp > 1 and not split  # TP ranks train a whole model on their own rows
-    unsharded = ctx.meshes["dp" if replicas else "rdp"]
-    if topo.dp_shard == 1 and not split:
+    layout = ctx.data_parallel
+    replicas = ctx.topology.tp > 1 and not split  # TP ranks train a whole model on their rows
+    unsharded = ctx.meshes[layout.averaging(replicas).value]
+    if layout.shard_size == 1 and not split:
         return _S.NO_SHARD, {"device_mesh": unsharded}
-    if topo.dp_replicate == 1 and not replicas:  # split models: even over one rank
+    if layout.replicas == 1 and not replicas:  # split models: even over one rank
         return _TO_FLAT[asked], {"device_mesh": ctx.meshes["dp_shard"]}
     strategy = _TO_HYBRID[asked]
     if strategy is _S.NO_SHARD:
@@ -141,22 +134,6 @@ def _replicate_with_tp_group(ctx: ParallelContext) -> dist.ProcessGroup:
         _GROUPS[key], _ = dist.new_subgroups_by_enumeration(ranks,
                                                              timeout=ctx.collective_timeout)
     return _GROUPS[key]
-
-
-def _apply_precision(cfg: Config, args: dict[str, Any]) -> None:
-    """``bf16``/``fp16``: compute in the half type, keep float32 parameters and reduce
-    gradients in float32 (what ``mp.shard`` does); a script's own policy must agree."""
-    key = cfg.half_precision
-    if key is None:
-        return
-    policy = args.get("mixed_precision")
-    if policy is None:
-        args["mixed_precision"] = MixedPrecision(param_dtype=HALF[key],
-                                                 reduce_dtype=torch.float32)
-    elif policy.param_dtype != HALF[key]:
-        raise ConfigError([(key, f"{key}=True computes in {HALF[key]}, but the script's FSDP "
-                                 f"MixedPrecision has param_dtype={policy.param_dtype}; make "
-                                 f"them agree or drop one")])
 
 
 def _adopt(model: FullyShardedDataParallel, split: bool, ctx: ParallelContext) -> None:
@@ -191,7 +168,7 @@ def construct(fsdp: FullyShardedDataParallel, module: nn.Module, arguments: dict
     _adopt(fsdp, split, ctx)
     fsdp1_limits.guard(fsdp, split, bool(final.get("use_orig_params", False)))
     # parameters no data-parallel rank used keep no gradient, as in one process
-    unused_grads.track_fsdp1(fsdp, replicas.data_parallel_group(
-        ctx, ctx.topology.tp > 1 and not split), ctx.device)
-    if ctx.config.half_precision == "fp16":
+    tp_replicas = ctx.topology.tp > 1 and not split
+    unused_grads.track_fsdp1(fsdp, ctx.gradient_group(tp_replicas), ctx.device)
+    if ctx.precision.loss_scaling:
         require_loss_scaling(fsdp)

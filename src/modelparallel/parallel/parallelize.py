@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from modelparallel.context import ParallelContext
 from modelparallel.parallel import replicas
@@ -38,7 +37,7 @@ from modelparallel.parallel.deferred import recipe_of
 from modelparallel.parallel.delayed_init import Materializer
 from modelparallel.parallel.offload import loading_horizon
 from modelparallel.parallel.offload_roots import offload_checkpointed
-from modelparallel.parallel.placement import is_meta, to_device
+from modelparallel.parallel.placement import is_meta, on_mesh_dims, to_device
 from modelparallel.parallel.sharding import fully_shard_units
 from modelparallel.parallel.tensor.transform import tied_groups, tp_ranks_are_replicas, transform
 
@@ -74,8 +73,7 @@ def parallelize(model: nn.Module, units: list[str], ctx: ParallelContext) -> Par
     fully_shard_units(units_of_tied, ctx, tp_replicas=tp_replicas, materialize=materialize)
     _retie(tied, {id(m) for unit in modules for m in unit.modules()})
     fsdp = {id(p) for path in units for p in model.get_submodule(path).parameters()
-            if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names
-            and set(p.device_mesh.mesh_dim_names) & {"dp_shard", "dp_replicate"}}
+            if on_mesh_dims(p, {"dp_shard", "dp_replicate"})}
     return Parallelized(fsdp, tp_replicas)
 
 

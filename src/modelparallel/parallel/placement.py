@@ -12,6 +12,16 @@ def is_meta(t: torch.Tensor) -> bool:
     return (t.to_local() if isinstance(t, DTensor) else t).device.type == "meta"
 
 
+def on_mesh_dims(t: torch.Tensor, dims: set[str]) -> bool:
+    """Whether ``t`` is a DTensor laid over any of the mesh dims ``dims``."""
+    return isinstance(t, DTensor) and bool(set(t.device_mesh.mesh_dim_names or ()) & dims)
+
+
+def holds_tensor_parallel(module: nn.Module) -> bool:
+    """Whether ``module`` has parameters tensor parallelism split (DTensors on ``tp``)."""
+    return any(on_mesh_dims(p, {"tp"}) for p in module.parameters())
+
+
 def to_device(module: nn.Module, device: torch.device) -> None:
     """Move ``module``'s real tensors to ``device`` in place (``Module.to`` fails on meta
     tensors); Parameter objects stay the same, so optimizers and ties keep them."""

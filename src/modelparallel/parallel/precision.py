@@ -1,12 +1,11 @@
-"""Mixed precision (``bf16`` / ``fp16``): one policy, whatever wraps the model.
+"""Mixed precision (``bf16`` / ``fp16``): one policy, one translation per wrapper.
 
-The policy is FSDP's: parameters stay float32 (the optimizer updates float32 masters),
-the forward and backward compute with parameters cast to the half type and floating
-inputs cast to it, and gradients arrive in float32 (so they are reduced in float32).
-``mp.shard`` gets it from FSDP2's ``MixedPrecisionPolicy``; unchanged FSDP1 scripts
-from FSDP1's ``MixedPrecision``; every other path (``mp.replicate``, ``transform``
-alone, ``DistributedModel`` without sharding) from :func:`compute_in`, which casts
-each module's parameters as its forward reads them (``param_views``).
+:class:`~modelparallel.precision_policy.PrecisionPolicy` (``ctx.precision``) is decided
+once per ``mp.init()``. Here it becomes what each wrapper takes: FSDP2's
+``MixedPrecisionPolicy`` (:func:`fsdp2_policy`), FSDP1's ``MixedPrecision``
+(:func:`fsdp1_policy`), and for every other path (``mp.replicate``, ``transform``
+alone, ``DistributedModel`` without sharding) parameter views that cast each module's
+parameters as its forward reads them (:func:`compute_as`).
 
 ``fp16`` needs loss scaling: :class:`LossScaler` (``DistributedOptimizer`` uses one by
 itself). A float16 model whose optimizer steps on gradients no scaler unscaled is an
@@ -22,13 +21,45 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from modelparallel.errors import ConfigError
 from modelparallel.module_state import lookup, state_of
 from modelparallel.parallel.param_views import add_view
+from modelparallel.precision_policy import PrecisionPolicy
 
-HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+def fsdp2_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
+    """FSDP2's form of ``policy`` (FSDP2 leaves buffers as they are)."""
+    return MixedPrecisionPolicy(param_dtype=policy.param_dtype,
+                                reduce_dtype=policy.reduce_dtype)
+
+
+def fsdp1_policy(policy: PrecisionPolicy, given: MixedPrecision | None,
+                 key: str) -> MixedPrecision | None:
+    """FSDP1's form of ``policy``; a script's own ``given`` stands when it computes in the
+    same type (``key``: the configuration key that chose the policy, for the error)."""
+    if not policy.mixed:
+        return given
+    if given is None:
+        return MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                              buffer_dtype=policy.buffer_dtype)
+    if given.param_dtype != policy.param_dtype:
+        raise ConfigError([(key, f"{key}=True computes in {policy.param_dtype}, but the "
+                                 f"script's FSDP MixedPrecision has param_dtype="
+                                 f"{given.param_dtype}; make them agree, or drop {key}")])
+    return given
+
+
+def compute_as(model: nn.Module, policy: PrecisionPolicy, blocks: list[nn.Module]) -> None:
+    """``policy`` for a model no FSDP wrapper casts: compute in its ``param_dtype`` with
+    float32 parameters (:func:`compute_in`), and require loss scaling where it says so."""
+    if policy.param_dtype is not None:
+        compute_in(model, policy.param_dtype, blocks)
+    if policy.loss_scaling:
+        require_loss_scaling(model)
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype | None:

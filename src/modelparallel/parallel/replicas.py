@@ -3,9 +3,6 @@
 - :func:`broadcast_from_first` makes every holder of a tensor start from the first
   holder's value (SMP v1 broadcasts the model from data-parallel rank 0 before the first
   step; scripts seed with ``seed + rank``). Run it before sharding.
-- :func:`data_parallel_group`: the group a parameter's gradient is averaged over. It is
-  the reduced data-parallel group, plus the tensor-parallel ranks when they hold the
-  model whole and each trains it on its own batch (``tp_ranks_are_replicas``).
 - :func:`average_over_tp` is the FSDP2 hook that adds the tensor-parallel ranks to the
   average FSDP computes over the data-parallel mesh.
 """
@@ -59,12 +56,6 @@ def synchronize(model: nn.Module, ctx: ParallelContext) -> None:
 
 def _unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list({id(t): t for t in tensors}.values())
-
-
-def data_parallel_group(ctx: ParallelContext, tp_replicas: bool) -> dist.ProcessGroup:
-    """Where replicated gradients are averaged: the reduced data-parallel group, or the
-    whole data-parallel group when the tensor-parallel ranks are replicas too."""
-    return ctx.process_group(CommGroup.DP_GROUP if tp_replicas else CommGroup.RDP_GROUP)
 
 
 def average_over_tp(ctx: ParallelContext) -> Callable[[torch.Tensor], None]:

@@ -13,7 +13,7 @@ from modelparallel.config import ConfigError
 from modelparallel.context import ParallelContext
 from modelparallel.parallel import replicas
 from modelparallel.parallel.blocks import find_blocks
-from modelparallel.parallel.precision import HALF, compute_in, require_loss_scaling
+from modelparallel.parallel.precision import compute_as
 from modelparallel.parallel.sharding import replicate_on_tp, say_what_does_not_apply
 from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
 
@@ -37,10 +37,7 @@ def replicate(model: nn.Module, ctx: ParallelContext, **ddp_kwargs: Any) -> nn.M
     _check_replicated_layout(ctx)
     say_what_does_not_apply(ctx, "mp.replicate()")
     blocks = find_blocks(model)
-    if ctx.config.half_precision:
-        compute_in(model, HALF[ctx.config.half_precision], blocks)
-    if ctx.config.half_precision == "fp16":
-        require_loss_scaling(model)
+    compute_as(model, ctx.precision, blocks)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         if ddp_kwargs:
             raise TypeError(f"mp.replicate() of a tensor-parallel model takes no DDP arguments "
@@ -55,7 +52,7 @@ def replicate(model: nn.Module, ctx: ParallelContext, **ddp_kwargs: Any) -> nn.M
     if ctx.device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [ctx.device.index])
         model = model.to(ctx.device)
-    group = replicas.data_parallel_group(ctx, tp_ranks_are_replicas(model, ctx.topology.tp))
+    group = ctx.gradient_group(tp_ranks_are_replicas(model, ctx.topology.tp))
     ddp_kwargs.setdefault("process_group", group)
     return DistributedDataParallel(model, **ddp_kwargs)
 

@@ -23,23 +23,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
-from modelparallel.config import Config
 from modelparallel.context import ParallelContext
 from modelparallel.parallel import delayed_init, replicas
 from modelparallel.parallel.blocks import BlockSpec, find_blocks
 from modelparallel.parallel.param_views import add_view
-from modelparallel.parallel.precision import HALF, require_loss_scaling
+from modelparallel.parallel.precision import fsdp2_policy, require_loss_scaling
 from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
 
 logger = logging.getLogger("modelparallel")
-
-
-def mixed_precision_policy(config: Config) -> MixedPrecisionPolicy:
-    """bf16/fp16 compute with fp32 gradient reduction, or full fp32."""
-    half = config.half_precision
-    if half is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=HALF[half], reduce_dtype=torch.float32)
 
 
 def fully_shard_units(units: list[nn.Module | list[nn.Module]], ctx: ParallelContext, *,
@@ -53,7 +44,7 @@ def fully_shard_units(units: list[nn.Module | list[nn.Module]], ctx: ParallelCon
     (delayed parameter initialization). A model tensor parallelism split has its
     whole parameters made ``Replicate()`` DTensors on ``tp`` first (the module's
     docstring says why)."""
-    fully_shard_kwargs.setdefault("mp_policy", mixed_precision_policy(ctx.config))
+    fully_shard_kwargs.setdefault("mp_policy", fsdp2_policy(ctx.precision))
     hook = replicas.average_over_tp(ctx) if tp_replicas else None
     split = ctx.topology.tp > 1 and not tp_replicas
     for unit in units:
@@ -143,7 +134,7 @@ def shard(model: nn.Module, ctx: ParallelContext, *, blocks: BlockSpec = None,
     fully_shard_units([*units, model], ctx,
                       tp_replicas=tp_ranks_are_replicas(model, ctx.topology.tp),
                       materialize=materialize, **kwargs)
-    if ctx.config.half_precision == "fp16" and mp_policy is None:
+    if ctx.precision.loss_scaling and mp_policy is None:
         require_loss_scaling(model)
     return model
 

@@ -11,8 +11,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from modelparallel.observe.fit_check import warn_if_state_cannot_fit
-from modelparallel.parallel import replicas, sharding, stale_params, unused_grads
 from modelparallel.parallel import replicate as replicating
+from modelparallel.parallel import sharding, stale_params, unused_grads
 from modelparallel.parallel.blocks import BlockSpec
 from modelparallel.parallel.tensor import transform as splitting  # the module
 from modelparallel.smp.moe import NOT_SUPPORTED as MOE_NOT_SUPPORTED
@@ -51,7 +51,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
 def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: bool | None = None,
           mp_policy: MixedPrecisionPolicy | None = None, **fully_shard_kwargs: Any) -> nn.Module:
     ctx = state.require("mp.shard()").context
-    group = replicas.data_parallel_group(ctx, splitting.tp_ranks_are_replicas(
+    group = ctx.gradient_group(splitting.tp_ranks_are_replicas(
         model, ctx.topology.tp))
     before = dict(model.named_parameters())
     model = sharding.shard(model, ctx, blocks=blocks, reshard_after_forward=reshard_after_forward,
@@ -65,7 +65,7 @@ def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: 
 
 def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
     ctx = state.require("mp.replicate()").context
-    group = replicas.data_parallel_group(ctx, splitting.tp_ranks_are_replicas(
+    group = ctx.gradient_group(splitting.tp_ranks_are_replicas(
         model, ctx.topology.tp))
     before = dict(model.named_parameters())
     model = replicating.replicate(model, ctx, **ddp_kwargs)

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from modelparallel.config import Config
-from modelparallel.parallel import replicas
 from modelparallel.parallel.optimizer_sharding import OptimizerStateSharding
 from modelparallel.parallel.precision import LossScaler
 
@@ -163,7 +162,7 @@ def state_sharding(model: Any, params: list[torch.Tensor]) -> OptimizerStateShar
         return None
     fsdp = model.engine.gradients.fsdp  # FSDP keeps their state sharded already
     mine = [p for p in params if id(p) not in fsdp and p.requires_grad]
-    group = replicas.data_parallel_group(ctx, model.engine.gradients.tp_replicas)
+    group = ctx.gradient_group(model.engine.gradients.tp_replicas)
     size = dist.get_world_size(group)
     if size == 1 or len(mine) < size:
         if ctx.rank == 0:

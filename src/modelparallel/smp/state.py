@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from modelparallel.config import Config, ConfigError
 from modelparallel.context import ParallelContext
+from modelparallel.precision_policy import PrecisionPolicy
 from modelparallel.smp import fsdp1_hook
 from modelparallel.smp.errors import NotInitializedError
 from modelparallel.smp.v2_state import V2Attributes
@@ -155,7 +156,8 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     _set_timeouts(timeout, mesh, meshes, default_too)
     state.set(ParallelContext(
         config=cfg, topology=topology,
-        data_parallel=DataParallelLayout.decide(cfg, topology), mesh=mesh, meshes=meshes,
+        data_parallel=DataParallelLayout.decide(cfg, topology),
+        precision=PrecisionPolicy.decide(cfg), mesh=mesh, meshes=meshes,
         device=device,
         rank=dist.get_rank(), local_rank=local_rank,
         local_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),

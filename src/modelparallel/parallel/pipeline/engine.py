@@ -26,7 +26,7 @@ from torch import nn
 
 from modelparallel.context import ParallelContext
 from modelparallel.observe.fit_check import warn_if_state_cannot_fit
-from modelparallel.parallel import deferred, parallelize, replicas, stale_params, unused_grads
+from modelparallel.parallel import deferred, parallelize, stale_params, unused_grads
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.pipeline import cut, schedules
 from modelparallel.parallel.pipeline import trace as tracing
@@ -35,7 +35,6 @@ from modelparallel.parallel.pipeline.layout import PipelineLayout
 from modelparallel.parallel.pipeline.record import Event, ScheduleRecorder
 from modelparallel.parallel.pipeline.runtime import Microbatch, StageRunner
 from modelparallel.parallel.placement import is_meta
-from modelparallel.parallel.precision import HALF
 from modelparallel.topology import CommGroup
 
 
@@ -224,8 +223,8 @@ class PipelineEngine:
         self.layout = layout = PipelineLayout.choose(self.module, trace, ctx.config, self.pp)
         held = self.held_modules()
         everything = layout.all_modules()
-        half = HALF.get(ctx.config.half_precision or "")
-        self._stubs = {path: cut.Stub(self.module.get_submodule(path), None, half)
+        self._stubs = {path: cut.Stub(self.module.get_submodule(path), None,
+                                      ctx.precision.param_dtype)
                        for path in everything}
         self.gradients.shared = shared_parameters(self.module, ctx, self.held_modules)
         self._free_other_stages(everything, held)
@@ -241,8 +240,8 @@ class PipelineEngine:
         done = parallelize.parallelize(self.module, units, self.ctx)
         self.gradients.fsdp, self.gradients.tp_replicas = done.fsdp, done.tp_replicas
         if done.fsdp:  # parameters no replica used keep no gradient (as GradientSync's)
-            unused_grads.track_fsdp2(self.module, replicas.data_parallel_group(
-                self.ctx, done.tp_replicas), self.ctx.device)
+            unused_grads.track_fsdp2(self.module, self.ctx.gradient_group(done.tp_replicas),
+                                     self.ctx.device)
         after = dict(self.module.named_parameters(remove_duplicate=False))
         self.replaced = {id(before[n]): p for n, p in after.items() if p is not before[n]}
         stale_params.record_replaced(

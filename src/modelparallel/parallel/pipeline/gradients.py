@@ -22,7 +22,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from modelparallel.context import ParallelContext
-from modelparallel.parallel import replicas
 from modelparallel.topology import CommGroup
 
 # pipeline ranks using a parameter, as held modules of a pipeline rank: rank -> paths
@@ -114,7 +113,7 @@ class GradientSync:
             grad = params[name].grad
             params[name].grad = before if grad is None else grad + before
         self._shared_before = {}
-        group = replicas.data_parallel_group(self.ctx, self.tp_replicas)
+        group = self.ctx.gradient_group(self.tp_replicas)
         size = dist.get_world_size(group)
         if size > 1:
             all_reduce_grads([p for p in held if id(p) not in self.fsdp], group, 1 / size)

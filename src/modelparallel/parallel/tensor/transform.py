@@ -16,8 +16,13 @@ from modelparallel.config import ConfigError
 from modelparallel.context import ParallelContext
 from modelparallel.module_state import lookup, state_of
 from modelparallel.parallel.blocks import find_blocks
-from modelparallel.parallel.placement import is_meta, materialize_meta, to_device
-from modelparallel.parallel.precision import HALF, compute_in, require_loss_scaling
+from modelparallel.parallel.placement import (
+    holds_tensor_parallel,
+    is_meta,
+    materialize_meta,
+    to_device,
+)
+from modelparallel.parallel.precision import compute_as
 from modelparallel.parallel.replicas import broadcast_from_first
 from modelparallel.parallel.tensor import batch, rng
 from modelparallel.parallel.tensor.plans import TPOptions, TPPlan, marked, plan_for
@@ -79,11 +84,7 @@ def transform(model: nn.Module, ctx: ParallelContext, *, sequence_parallel: bool
     """
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
-    half = ctx.config.half_precision
-    if half is not None:
-        compute_in(model, HALF[half], find_blocks(model))
-        if half == "fp16":
-            require_loss_scaling(model)
+    compute_as(model, ctx.precision, find_blocks(model))
     degree = ctx.topology.tp
     if degree == 1:
         return model
@@ -161,8 +162,7 @@ def tp_ranks_are_replicas(model: nn.Module, tp: int) -> bool:
         return False
     split = lookup(model, "tensor_parallel_split")
     if split is None:  # transform() never saw it: split if it holds tensor-parallel shards
-        split = any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
-                    for p in model.parameters())
+        split = holds_tensor_parallel(model)
     return not split
 
 
