@@ -706,7 +706,7 @@ def internals_case():
         "FSDP1's gradient views kept on one-rank shards (fsdp1_limits)":
             FlatParamHandle._use_unsharded_grad_views is fsdp1_limits._grad_views
             and callable(fsdp1_limits._torch_unsharded_grad_views)
-            and all(getattr(u._handle, "_mp_one_rank_shard", False) for u in units),
+            and all(u._handle in fsdp1_limits._ONE_RANK_SHARDS for u in units),
         "our state dict extension": all(isinstance(u._fsdp_extension,
                                                    fsdp1_torch._LocalShardExtensions)
                                         for u in units),

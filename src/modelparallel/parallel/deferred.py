@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+# on the tensor itself, not in a side table: a recipe travels with its parameter where
+# the tensor's __dict__ does (deepcopy, pickling of a delayed model)
 RECIPE_ATTR = "_mp_recipe"
 _ALIASES = ("data", "detach")  # the same tensor whole under another name
 

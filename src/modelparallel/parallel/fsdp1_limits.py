@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,7 +49,7 @@ def guard(model: FullyShardedDataParallel, split: bool, use_orig_params: bool) -
         for unit in FullyShardedDataParallel.fsdp_modules(model):
             handle = unit._handle  # private: the unit's FlatParamHandle
             if handle is not None and handle.uses_sharded_strategy and unit.world_size == 1:
-                handle._mp_one_rank_shard = True  # type: ignore[attr-defined]  # _grad_views
+                _ONE_RANK_SHARDS.add(handle)  # read by _grad_views
         FlatParamHandle._use_unsharded_grad_views = _grad_views  # type: ignore[method-assign]
         model.no_sync = functools.partial(  # type: ignore[method-assign]
             _synchronised_no_sync, model)
@@ -63,6 +64,7 @@ def guard(model: FullyShardedDataParallel, split: bool, use_orig_params: bool) -
 # gradients into the unsharded flat gradient (tested by tests/distributed/
 # test_fsdp1_grad_orders.py, which fails if torch changes it)
 _torch_unsharded_grad_views = FlatParamHandle._use_unsharded_grad_views
+_ONE_RANK_SHARDS: weakref.WeakSet[FlatParamHandle] = weakref.WeakSet()
 
 
 def _grad_views(handle: Any) -> None:
@@ -74,7 +76,7 @@ def _grad_views(handle: Any) -> None:
     False)`` ends the process on: every backward after one whose gradients were not set
     to None. They stay on the sharded gradient, as with more ranks."""
     flat = handle.flat_param
-    if getattr(handle, "_mp_one_rank_shard", False) and flat.grad is not None \
+    if handle in _ONE_RANK_SHARDS and flat.grad is not None \
             and not hasattr(flat, "_saved_grad_shard"):  # set when gathered on purpose
         return
     _torch_unsharded_grad_views(handle)

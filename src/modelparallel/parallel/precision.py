@@ -15,6 +15,7 @@ error (:func:`require_loss_scaling`), not a silent underflow.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from modelparallel.errors import ConfigError
 from modelparallel.module_state import lookup, state_of
@@ -152,7 +154,7 @@ class LossScaler:
             for g in grads:
                 g.mul_(inverse)
         self._unscaled.add(id(optimizer))
-        optimizer._mp_unscaled = True  # type: ignore[attr-defined]  # read by _check_scaled
+        _UNSCALED.add(optimizer)  # read by _check_scaled
         return self.overflow
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -161,7 +163,7 @@ class LossScaler:
             self.unscale_(optimizer)
         self._unscaled.discard(id(optimizer))
         if self.overflow:
-            optimizer._mp_unscaled = False  # type: ignore[attr-defined]
+            _UNSCALED.discard(optimizer)
             return None
         return optimizer.step(*args, **kwargs)
 
@@ -212,7 +214,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 # -- float16 without a loss scaler is an error ----------------------------------------------
 
-_FP16_ATTR = "_mp_needs_loss_scaling"
+# parameters of float16 models (weak: they leave with their model), and optimizers a
+# LossScaler unscaled since their last step
+_NEEDS_SCALING: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_UNSCALED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _hook_installed = False
 
 
@@ -222,18 +227,18 @@ def require_loss_scaling(model: nn.Module) -> None:
     it on the final (wrapped) model: the mark is on its parameter objects."""
     global _hook_installed
     for p in model.parameters():
-        setattr(p, _FP16_ATTR, True)
+        _NEEDS_SCALING[p] = True
     if not _hook_installed:
         register_optimizer_step_pre_hook(_check_scaled)
         _hook_installed = True
 
 
 def _check_scaled(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if getattr(optimizer, "_mp_unscaled", False):
-        optimizer._mp_unscaled = False  # type: ignore[attr-defined]
+    if optimizer in _UNSCALED:
+        _UNSCALED.discard(optimizer)
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not any(getattr(p, _FP16_ATTR, False) for p in params):
+    if not any(p in _NEEDS_SCALING for p in params):
         return
     # torch's own state initialisation (distributed checkpoint loading) steps once on zero
     # gradients: nothing can have underflowed there

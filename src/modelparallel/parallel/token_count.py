@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from modelparallel.context import ParallelContext
 from modelparallel.topology import CommGroup
 
 IGNORE_INDEX = -100  # torch's cross_entropy and Hugging Face's default
 
-_MARK = "_mp_token_divisor"  # set on the divisors this module makes
+# the divisors this module made (weak: a divisor is dropped with its step)
+_DIVISORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def valid_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX, *,
@@ -78,17 +80,17 @@ def reduce_count(local: torch.Tensor, ctx: ParallelContext, *, microbatches: int
         return total // topology.tp if ctx.config.prescaled_batch else total
     divisor = total.to(torch.get_default_dtype()) / (topology.size_of(CommGroup.DP_GROUP)
                                                      * microbatches)
-    setattr(divisor, _MARK, True)
+    _DIVISORS[divisor] = True
     return divisor
 
 
 def is_divisor(value: object) -> bool:
     """Whether ``value`` is a divisor :func:`reduce_count` made."""
-    return isinstance(value, torch.Tensor) and getattr(value, _MARK, False) is True
+    return isinstance(value, torch.Tensor) and value in _DIVISORS
 
 
 def for_gathered_rows(divisor: torch.Tensor, degree: int) -> torch.Tensor:
     """The divisor for a loss computed on ``degree`` ranks' batches in one place."""
     scaled = divisor * degree
-    setattr(scaled, _MARK, True)
+    _DIVISORS[scaled] = True
     return scaled
