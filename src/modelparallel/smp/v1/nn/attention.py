@@ -13,9 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelparallel.smp.nn import _args
-from modelparallel.smp.nn.attn import FlashSelfAttention
-from modelparallel.smp.nn.layers import (
+from modelparallel.smp.v1.nn import _args
+from modelparallel.smp.v1.nn.layers import (
     DistributedModule,
     activate,
     attention_scale,
@@ -24,6 +23,7 @@ from modelparallel.smp.nn.layers import (
     residual,
     shared_input,
 )
+from modelparallel.smp.v2.nn.flash_attention import FlashSelfAttention
 
 MASKED = -10000.0  # SMP's additive value for masked attention scores
 

@@ -7,4 +7,4 @@ split in place by ``smp.DistributedModel`` / ``tsm.transform`` with their Huggin
 modules and names kept, so their state dicts need no translation.
 """
 
-from modelparallel.smp.nn.huggingface import gpt2  # noqa: F401  (an attribute, as in SMP)
+from modelparallel.smp.v1.nn.huggingface import gpt2  # noqa: F401  (an attribute, as in SMP)

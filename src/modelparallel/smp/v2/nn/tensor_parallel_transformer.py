@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from modelparallel.models.gpt import Block
-from modelparallel.smp.nn.transformer import (
+from modelparallel.smp.v1.nn.transformer import (
     DistributedTransformerLayer,
     DistributedTransformerLMHead,
 )

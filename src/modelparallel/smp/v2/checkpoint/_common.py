@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from modelparallel.smp.v2_checkpoint.s3_filesystem import is_s3_uri
+from modelparallel.smp.v2.checkpoint.s3_filesystem import is_s3_uri
 
 logger = logging.getLogger("modelparallel")
 _said: set[str] = set()

@@ -8,8 +8,8 @@ from typing import Any
 import torch.distributed as dist
 
 from modelparallel.parallel.pipeline import trace
-from modelparallel.smp.ranks import _size_of, barrier, get_process_group, group_ranks
 from modelparallel.smp.state import reset, state
+from modelparallel.smp.v1.ranks import _size_of, barrier, get_process_group, group_ranks
 from modelparallel.topology import CommGroup
 
 

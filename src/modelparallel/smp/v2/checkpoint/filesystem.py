@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from modelparallel.checkpoint.storage import SafeFsspecReader, is_url
-from modelparallel.smp.v2_checkpoint.s3_filesystem import (
+from modelparallel.smp.v2.checkpoint.s3_filesystem import (
     S3FileSystem,
     format_s3_path,
     is_s3_uri,

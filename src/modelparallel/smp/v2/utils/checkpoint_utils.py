@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from modelparallel.smp.logger import get_logger
+from modelparallel.smp.v2.logger import get_logger
 
 
 def _last_int(name: str) -> int:

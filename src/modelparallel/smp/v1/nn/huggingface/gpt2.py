@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from modelparallel.smp import tp_replace
-from modelparallel.smp.nn.transformer import DistributedTransformerLMHead
 from modelparallel.smp.state import state
+from modelparallel.smp.v1 import tp_register
+from modelparallel.smp.v1.nn.transformer import DistributedTransformerLMHead
 
 logger = logging.getLogger("modelparallel")
 
@@ -270,11 +270,11 @@ __all__ = ["get_hf_gpt2_transformer_lm_head_hooks",
            "translate_state_dict_to_hf_gpt2", "translate_state_dict_to_hf_gpt2_layer"]
 
 
-@tp_replace.builtin("GPT2LMHeadModel")
-def _lm_head_replacement() -> tp_replace.Replacement:
+@tp_register.builtin("GPT2LMHeadModel")
+def _lm_head_replacement() -> tp_register.Replacement:
     """SMP's out-of-the-box replacement of a marked ``GPT2LMHeadModel``."""
     init_hook, forward_hook, return_hook = get_hf_gpt2_transformer_lm_head_hooks()
-    return tp_replace.Replacement(DistributedTransformerLMHead, init_hook, forward_hook,
+    return tp_register.Replacement(DistributedTransformerLMHead, init_hook, forward_hook,
                                   return_hook, translate_hf_state_dict_to_smdistributed_gpt2,
                                   _layers_also_as_h)
 

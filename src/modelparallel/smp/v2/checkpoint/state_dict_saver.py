@@ -32,9 +32,9 @@ from torch.distributed.checkpoint import SavePlanner, StorageWriter
 
 from modelparallel.checkpoint import dcp, guard
 from modelparallel.smp.state import state
-from modelparallel.smp.v2_checkpoint._common import check_coordinator, s3_region_for, say_once
-from modelparallel.smp.v2_checkpoint.async_utils import AsyncCallsQueue
-from modelparallel.smp.v2_checkpoint.filesystem import DistributedFileSystemWriter
+from modelparallel.smp.v2.checkpoint._common import check_coordinator, s3_region_for, say_once
+from modelparallel.smp.v2.checkpoint.async_utils import AsyncCallsQueue
+from modelparallel.smp.v2.checkpoint.filesystem import DistributedFileSystemWriter
 
 DEFAULT_ASYNC_REQUEST_QUEUE = AsyncCallsQueue()
 """The queue ``async_save`` uses when given none."""

@@ -9,17 +9,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from modelparallel.module_state import state_of
 from modelparallel.observe.run_output import write_schedule
 from modelparallel.parallel.pipeline.engine import PipelineEngine
 from modelparallel.parallel.pipeline.record import ScheduleRecording, gather_events
 from modelparallel.parallel.pipeline.runtime import current_microbatch
-from modelparallel.smp import registry, tp_context, tp_replace
-from modelparallel.smp.model_options import ModelOptions, broadcast_buffers
-from modelparallel.smp.model_v1_methods import V1ModelMethods
+from modelparallel.smp import registry
 from modelparallel.smp.state import state
+from modelparallel.smp.v1 import tensor_parallelism, tp_register
+from modelparallel.smp.v1.distributed_model_options import ModelOptions, broadcast_buffers
 from modelparallel.topology import CommGroup
 
 _placement: list[int] = []  # stack of mp.partition(i) contexts
@@ -48,7 +48,7 @@ def set_partition(module: nn.Module, index: int) -> None:
     state_of(module).partition = index
 
 
-class DistributedModel(V1ModelMethods, nn.Module):
+class DistributedModel(nn.Module):
     """A model split over the pipeline stages and wrapped for data parallelism.
 
     At the first ``@mp.step`` call (as SMP v1): with ``pipeline_parallel_degree`` > 1
@@ -66,7 +66,7 @@ class DistributedModel(V1ModelMethods, nn.Module):
     ``average_grads_across_microbatches=False`` sums the microbatches' gradients;
     ``broadcast_buffers`` (default True) gives the replicas data-parallel rank 0's
     buffers at every training step, as DDP; the rest log one line saying why they have
-    no effect here (:mod:`~modelparallel.smp.model_options`).
+    no effect here (:mod:`~modelparallel.smp.v1.distributed_model_options`).
     """
 
     def __init__(self, module: nn.Module, trace_device: str = "gpu",
@@ -85,8 +85,8 @@ class DistributedModel(V1ModelMethods, nn.Module):
         if registry.model() is not None:  # one per mp.init()
             raise RuntimeError("only one mp.DistributedModel may exist per process; wrap the "
                                "whole model once")
-        module = tp_replace.replace_marked(module)  # SMP's distributed modules (GPT-2, ...)
-        tp_context.in_place(tp_replace.unreplaced_with_options(module))
+        module = tp_register.replace_marked(module)  # SMP's distributed modules (GPT-2, ...)
+        tensor_parallelism.in_place(tp_register.unreplaced_with_options(module))
         self.module = module
         self.engine = PipelineEngine(module, ctx, passes_per_sync=backward_passes_per_step,
                                      loss_scale=self._loss_scale,
@@ -142,6 +142,36 @@ class DistributedModel(V1ModelMethods, nn.Module):
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers under the model's own names."""
         return self.engine.local_state_dict()
+
+    # -- what this rank holds, and what tensor parallelism split ---------------------
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """The modules of this rank's pipeline stage, by their names in the model."""
+        held = {id(m) for m in self.local_modules()}
+        for name, module in self.module.named_modules():
+            if id(module) in held:
+                yield name, module
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, module in self.local_named_modules():
+            for own, buffer in module.named_buffers(recurse=False):
+                yield f"{name}.{own}" if name else own, buffer
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        for _, buffer in self.local_named_buffers():
+            yield buffer
+
+    def distributed_modules(self) -> Iterator[nn.Module]:
+        """The modules whose own parameters tensor parallelism split."""
+        for module in self.module.modules():
+            if any(_split_by_tp(p) for p in module.parameters(recurse=False)):
+                yield module
+
+    def is_distributed_parameter(self, param: torch.Tensor) -> bool:
+        """Whether tensor parallelism split ``param`` over the tensor-parallel ranks."""
+        return _split_by_tp(param)
+
+    def is_distributed_buffer(self, buffer: torch.Tensor) -> bool:
+        return _split_by_tp(buffer)
 
     def state_dict(self, destination: dict[str, Any] | None = None,  # type: ignore[override]
                    prefix: str = "", keep_vars: bool = False, cast_to_cpu: bool = True,
@@ -275,6 +305,41 @@ class DistributedModel(V1ModelMethods, nn.Module):
             load()
         for hook in self._hooks:
             hook(self, registry.optimizer())
+
+    # -- post-step hooks, and the DDP hooks it refuses --------------------------------
+    def register_post_step_hook(self, hook: Callable[[Any, Any], None]) -> None:
+        """``hook(model, optimizer)`` runs once, after the first ``@smp.step`` call."""
+        self._post_step_hooks.append(hook)
+
+    def run_post_step_hooks(self, optimizer: Any) -> None:
+        hooks, self._post_step_hooks = self._post_step_hooks, []
+        for hook in hooks:
+            hook(self, optimizer)
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True,
+             enable: bool = True) -> Iterator[None]:
+        """Refused: uneven inputs across data-parallel ranks are not supported."""
+        raise NotImplementedError(
+            "DistributedModel.join() (uneven inputs) is not supported by modelparallel: "
+            "give every data-parallel rank the same number of batches (mp.data's "
+            "DataLoader with drop_last=True does)")
+        yield  # unreachable; makes this a generator
+
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """Refused: modelparallel reduces the gradients itself, not through DDP."""
+        raise NotImplementedError(
+            "DistributedModel.register_comm_hook() is not supported by modelparallel: its "
+            "gradients are reduced over the data-parallel group by the pipeline engine, "
+            "not by a DDP module; compress or reduce gradients after backward instead")
+
+
+def _split_by_tp(t: torch.Tensor) -> bool:
+    """Sharded on the ``tp`` dimension (FSDP2 also puts a replicated parameter of a split
+    model there, ``Replicate()``)."""
+    return isinstance(t, DTensor) and any(
+        name == "tp" and isinstance(p, Shard)
+        for name, p in zip(t.device_mesh.mesh_dim_names or (), t.placements, strict=True))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

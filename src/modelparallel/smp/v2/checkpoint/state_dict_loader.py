@@ -19,8 +19,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlanner, Storag
 from modelparallel.checkpoint import dcp
 from modelparallel.checkpoint.storage import CheckpointError, SafeLoadPlanner, reader_for
 from modelparallel.smp.state import state
-from modelparallel.smp.v2_checkpoint._common import check_coordinator, flat_keys, s3_region_for
-from modelparallel.smp.v2_checkpoint.filesystem import DistributedFileSystemReader
+from modelparallel.smp.v2.checkpoint._common import check_coordinator, flat_keys, s3_region_for
+from modelparallel.smp.v2.checkpoint.filesystem import DistributedFileSystemReader
 
 
 class CheckpointKeyError(CheckpointError, KeyError):

@@ -4,9 +4,7 @@ directory helpers of ``torch.sagemaker.checkpoint.utils``. SMP v1's
 ``smdistributed.modelparallel.torch.utils`` maps here too: its structure and size
 helpers are re-exported."""
 
-from modelparallel.smp.utils import process_group_utils, utils
-from modelparallel.smp.utils.utils import timeit
-from modelparallel.smp.v1_utils import (
+from modelparallel.smp.v1.nested_structures import (
     convert_args_to_device,
     dtype_size,
     flatten_structure,
@@ -18,6 +16,8 @@ from modelparallel.smp.v1_utils import (
     rmsg,
     unflatten_structure,
 )
+from modelparallel.smp.v2.utils import process_group_utils, utils
+from modelparallel.smp.v2.utils.utils import timeit
 
 __all__ = ["convert_args_to_device", "dtype_size", "flatten_structure", "get_distribution_axis",
            "get_tensor_size",

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import OptimStateDictConfig, StateDictConfig, StateDictType
 from torch.distributed.tensor import DTensor
 
-from modelparallel.smp.v2_checkpoint._common import collective_device
+from modelparallel.smp.v2.checkpoint._common import collective_device
 
 
 class SMStateDictType(enum.Enum):

@@ -10,13 +10,13 @@ import torch.distributed as dist
 from modelparallel.parallel.clip import clip_grad_norm_
 from modelparallel.parallel.optimizer_sharding import OptimizerStateSharding
 from modelparallel.parallel.precision import LossScaler
-from modelparallel.smp import optimizer_facade, registry
-from modelparallel.smp.optimizer_fp16_api import FP16OptimizerCalls
+from modelparallel.smp import registry
 from modelparallel.smp.state import state
+from modelparallel.smp.v1 import wrapped_optimizer
 from modelparallel.topology import CommGroup
 
 
-class DistributedOptimizer(FP16OptimizerCalls, optimizer_facade.WrappedTorchOptimizer):
+class DistributedOptimizer(wrapped_optimizer.WrappedTorchOptimizer):
     """An optimizer over exactly the parameters this rank holds after partitioning.
 
     Create it after ``DistributedModel`` and before the first step, from an optimizer
@@ -49,7 +49,7 @@ class DistributedOptimizer(FP16OptimizerCalls, optimizer_facade.WrappedTorchOpti
         self._sharding: OptimizerStateSharding | None = None
         self._unscaled = False  # clip_master_grads unscaled this step's gradients
         self._pending_load: Any = None  # load_state_dict before the split
-        self.loss_scaler = optimizer_facade.loss_scaler_for(
+        self.loss_scaler = wrapped_optimizer.loss_scaler_for(
             s.config, static_loss_scale, dynamic_loss_scale,
             {**(dynamic_loss_args or {}), **more_dynamic_loss_args}, loss_scaler, s.rank)
         registry.set_optimizer(self)
@@ -72,7 +72,7 @@ class DistributedOptimizer(FP16OptimizerCalls, optimizer_facade.WrappedTorchOpti
             params = [replaced.get(id(p), p) for p in group["params"]]
             group["params"] = [p for p in params if id(p) in held]
         self._filtered = True
-        self._sharding = optimizer_facade.state_sharding(model, self._params())
+        self._sharding = wrapped_optimizer.state_sharding(model, self._params())
         if self._pending_load is not None:
             pending, self._pending_load = self._pending_load, None
             self.load_state_dict(pending)
@@ -102,6 +102,35 @@ class DistributedOptimizer(FP16OptimizerCalls, optimizer_facade.WrappedTorchOpti
         model = registry.model()
         return clip_grad_norm_(model if model is not None else self._params(), max_norm,
                                norm_type)
+
+    # -- the calls of SMP v1's FP16_Optimizer (Apex's, modified) that fp16 scripts make.
+    # Parameters stay float32 here (fp16 computes in half precision with float32
+    # parameters), so there are no separate master weights: ``backward`` scales the loss
+    # through the model, and the master-weight calls have nothing to do.
+    def backward(self, loss: torch.Tensor, update_master_grads: bool = True,
+                 retain_graph: bool = False) -> None:
+        """``FP16_Optimizer.backward(loss)``: the microbatch's backward, with the loss
+        scaled (inside an ``@smp.step`` function, like ``model.backward``)."""
+        if retain_graph:
+            raise ValueError("optimizer.backward(retain_graph=True) is not supported: "
+                             "the pipeline frees each microbatch's graph after backward")
+        model = registry.model()
+        if model is None:
+            raise RuntimeError("optimizer.backward(loss) needs mp.DistributedModel: create it "
+                               "before the optimizer and call backward in an @mp.step "
+                               "function")
+        model.backward(loss)
+
+    def update_master_grads(self) -> None:
+        """Nothing to do: the float32 parameters already hold the gradients (the loss
+        scale is removed at ``step()``/``clip_master_grads``)."""
+
+    def init_master_params(self) -> None:
+        """Nothing to do: there are no separate master weights."""
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Any:
+        """Apex's name for :meth:`clip_master_grads`."""
+        return self.clip_master_grads(max_norm, norm_type)
 
     def step(self, *args, **kwargs):
         self._filter()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from modelparallel.smp.v2_checkpoint._common import collective_device
+from modelparallel.smp.v2.checkpoint._common import collective_device
 
 
 @dataclass

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelparallel.smp.nn import _args
-from modelparallel.smp.nn.attention import (
+from modelparallel.smp.v1.nn import _args
+from modelparallel.smp.v1.nn.attention import (
     MASKED,
     DistributedAttentionLayer,
     DistributedTransformerOutputLayer,
 )
-from modelparallel.smp.nn.layers import DistributedModule
+from modelparallel.smp.v1.nn.layers import DistributedModule
 
 
 class DistributedTransformerLayer(DistributedModule):

@@ -21,9 +21,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 
 from modelparallel.checkpoint.storage import SafeLoadPlanner
-from modelparallel.smp.v2_checkpoint import state_dict_loader, state_dict_saver
-from modelparallel.smp.v2_checkpoint._common import say_once
-from modelparallel.smp.v2_checkpoint.filesystem import DistributedFileSystemReader
+from modelparallel.smp.v2.checkpoint import state_dict_loader, state_dict_saver
+from modelparallel.smp.v2.checkpoint._common import say_once
+from modelparallel.smp.v2.checkpoint.filesystem import DistributedFileSystemReader
 
 logger = logging.getLogger("modelparallel")
 

@@ -1,7 +1,7 @@
 """SMP v1's ``smp.tensor_parallelism(enabled, **options)`` and
 ``smp.set_tensor_parallelism(module, enabled, **options)``: modules are marked for tensor
 parallelism. SMP's options are arguments of its distributed modules: they reach the
-``smp.nn`` modules that replace marked ones (``tp_replace``: Hugging Face GPT-2, and
+``smp.nn`` modules that replace marked ones (``tp_register``: Hugging Face GPT-2, and
 classes registered with ``tp_register_with_module(cls, dist_module)``), which apply or
 refuse each or say it has no effect. Modules split in place by a tensor-parallel plan
 keep their own computation; one line says the options have no effect on them."""
@@ -17,8 +17,8 @@ from torch import nn
 
 from modelparallel.module_state import lookup, state_of
 from modelparallel.parallel.tensor import plans
-from modelparallel.smp import tp_replace
 from modelparallel.smp.state import state
+from modelparallel.smp.v1 import tp_register
 
 logger = logging.getLogger("modelparallel")
 
@@ -78,7 +78,7 @@ def tensor_parallelism(enabled: bool = True, fused_softmax: bool | None = None,
     go to the modules that replace them (module docstring)."""
     options = given("smp.tensor_parallelism", {k: v for k, v in locals().items()
                                                if k in OPTIONS})
-    with plans.tensor_parallelism(enabled), tp_replace.creating_with(options):
+    with plans.tensor_parallelism(enabled), tp_register.creating_with(options):
         yield
 
 

@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from modelparallel.smp.logger import get_logger
+from modelparallel.smp.v2.logger import get_logger
 
 
 @contextlib.contextmanager
