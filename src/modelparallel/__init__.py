@@ -27,16 +27,26 @@ from modelparallel.parallel.tensor import (
     TPPlan,
     loss_parallel,
 )
-from modelparallel.smp import amp, nn, observe, optimizers, ranker
 from modelparallel.smp import checkpoints as checkpoint
-from modelparallel.smp import offload as _offload  # noqa: F401  torch's offload_wrapper follows sm_activation_offloading
+from modelparallel.smp import nn, observe
 from modelparallel.smp.appliers import replicate, shard, transform
 from modelparallel.smp.checkpoints import resume_from_checkpoint, save_checkpoint
 from modelparallel.smp.delayed_param import delay_param_initialization, model_creation
-from modelparallel.smp.logger import get_logger
-from modelparallel.smp.model import DistributedModel, partition, set_partition
-from modelparallel.smp.optimizer import DistributedOptimizer
-from modelparallel.smp.ranks import (
+from modelparallel.smp.state import NotInitializedError, init, is_initialized, reset, state
+from modelparallel.smp.v1 import amp
+from modelparallel.smp.v1 import fused_optimizers as optimizers
+from modelparallel.smp.v1.barriers_and_queries import (
+    gather,
+    is_tracing,
+    num_microbatches,
+    pp_barrier,
+    rdp_barrier,
+    shutdown,
+    tp_barrier,
+)
+from modelparallel.smp.v1.distributed_model import DistributedModel, partition, set_partition
+from modelparallel.smp.v1.distributed_optimizer import DistributedOptimizer
+from modelparallel.smp.v1.ranks import (
     DP_GROUP,
     MP_GROUP,
     PP_GROUP,
@@ -77,20 +87,13 @@ from modelparallel.smp.ranks import (
     tp_rank,
     tp_size,
 )
-from modelparallel.smp.save_load import load, save
-from modelparallel.smp.state import NotInitializedError, init, is_initialized, reset, state
-from modelparallel.smp.step import step
-from modelparallel.smp.tp_context import set_tensor_parallelism, tensor_parallelism
-from modelparallel.smp.tp_replace import tp_register, tp_register_with_module
-from modelparallel.smp.v1_extras import (
-    gather,
-    is_tracing,
-    num_microbatches,
-    pp_barrier,
-    rdp_barrier,
-    shutdown,
-    tp_barrier,
-)
+from modelparallel.smp.v1.save_load import load, save
+from modelparallel.smp.v1.step import step
+from modelparallel.smp.v1.tensor_parallelism import set_tensor_parallelism, tensor_parallelism
+from modelparallel.smp.v1.tp_register import tp_register, tp_register_with_module
+from modelparallel.smp.v2 import activation_offload as _offload  # noqa: F401  torch's offload_wrapper follows sm_activation_offloading
+from modelparallel.smp.v2 import ranker
+from modelparallel.smp.v2.logger import get_logger
 from modelparallel.topology import CommGroup, RankType, Topology
 from modelparallel.version import __version__ as __version__
 

@@ -105,7 +105,7 @@ def v2_case(config: dict, wrap: str = "fsdp2"):
         offload_wrapper,
     )
 
-    import modelparallel.smp.offload  # noqa: F401  (the switch; modelparallel imports it)
+    import modelparallel.smp.v2.activation_offload  # noqa: F401  (the switch; modelparallel imports it)
 
     mp.init(config)
     if wrap == "fsdp2":

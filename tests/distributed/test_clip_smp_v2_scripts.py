@@ -108,8 +108,8 @@ def script_case(config: dict, smp_implementation: bool, use_orig_params: bool):
 
     import modelparallel as tsm
     from modelparallel.data import replica_rank_and_size
-    from modelparallel.smp.grad_norm import clip_grad_norm_  # torch.sagemaker.grad_norm's
-    from modelparallel.smp.nn.tensor_parallel_transformer import TransformerLayer
+    from modelparallel.smp.v2.grad_norm import clip_grad_norm_  # torch.sagemaker.grad_norm's
+    from modelparallel.smp.v2.nn.tensor_parallel_transformer import TransformerLayer
     from modelparallel.testing import TrainResult, full_parameters, local_rows, parity_problems
 
     tsm.reset()

@@ -23,8 +23,8 @@ import modelparallel as mp
 from modelparallel.data import replica_rank_and_size
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import Block, lm_loss
-from modelparallel.smp.v2_checkpoint import state_dict_saver as saver
-from modelparallel.smp.v2_checkpoint.filesystem import DistributedFileSystemReader
+from modelparallel.smp.v2.checkpoint import state_dict_saver as saver
+from modelparallel.smp.v2.checkpoint.filesystem import DistributedFileSystemReader
 from modelparallel.testing import full_parameters, local_rows, token_batches
 
 SEQ, VOCAB = 16, 64

@@ -42,7 +42,7 @@ def build(name: str, p: float) -> nn.Module:
         return ViT(ViTConfig(image_size=8, patch_size=4, num_classes=8, d_model=32, n_layers=2,
                              n_heads=4, dropout=p))
     if name == "smp-nn":
-        from modelparallel.smp.nn.tensor_parallel_transformer import TransformerLMHead
+        from modelparallel.smp.v2.nn.tensor_parallel_transformer import TransformerLMHead
 
         return TransformerLMHead(num_layers=2, num_attention_heads=4, attention_head_size=8,
                                  hidden_size=32, intermediate_size=64, vocab_size=VOCAB,

@@ -7,7 +7,7 @@ import torch
 
 import modelparallel as mp
 from modelparallel.smp.nn import DistributedTransformerLMHead
-from modelparallel.smp.nn.tensor_parallel_transformer import TransformerLMHead
+from modelparallel.smp.v2.nn.tensor_parallel_transformer import TransformerLMHead
 from modelparallel.testing import TrainResult, assert_parity, full_parameters
 
 STEPS, ROWS, SEQ, VOCAB = 3, 8, 12, 64

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import modelparallel as smp
-from modelparallel.smp import tp_replace
-from modelparallel.smp.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+from modelparallel.smp.v1 import tp_register
+from modelparallel.smp.v1.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
 
 transformers = pytest.importorskip("transformers")
 
@@ -158,7 +158,7 @@ def registered_case(form: str):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-        tp_replace.unregister(cls)
+        tp_register.unregister(cls)
     layer = model.get_module().block
     assert isinstance(layer, smp.nn.DistributedTransformerLayer), type(layer)
     assert layer.output.intermediate_size == 48  # the constructor's keyword argument

@@ -15,9 +15,9 @@ from torch import nn
 import modelparallel as mp
 from modelparallel.models import GPT, GPTConfig
 from modelparallel.models.gpt import lm_loss
-from modelparallel.smp.amp import GradScaler
-from modelparallel.smp.optimizers import FusedLAMB
-from modelparallel.smp.save_load import load, save
+from modelparallel.smp.v1.amp import GradScaler
+from modelparallel.smp.v1.fused_optimizers import FusedLAMB
+from modelparallel.smp.v1.save_load import load, save
 from modelparallel.testing import assert_parity, token_batches
 from modelparallel.testing.parity import TrainResult
 

@@ -25,15 +25,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 import modelparallel as mp
 from modelparallel.checkpoint import CheckpointError
-from modelparallel.smp.v2_checkpoint import fsdp_checkpoint as tsm_fsdp_checkpoint
-from modelparallel.smp.v2_checkpoint import state_dict_loader as loader
-from modelparallel.smp.v2_checkpoint import state_dict_saver as saver
-from modelparallel.smp.v2_checkpoint.async_utils import AsyncCallsQueue
-from modelparallel.smp.v2_checkpoint.filesystem import (
+from modelparallel.smp.v2.checkpoint import fsdp_checkpoint as tsm_fsdp_checkpoint
+from modelparallel.smp.v2.checkpoint import state_dict_loader as loader
+from modelparallel.smp.v2.checkpoint import state_dict_saver as saver
+from modelparallel.smp.v2.checkpoint.async_utils import AsyncCallsQueue
+from modelparallel.smp.v2.checkpoint.filesystem import (
     DistributedFileSystemReader,
     DistributedFileSystemWriter,
 )
-from modelparallel.smp.v2_checkpoint.state_dict_utils import (
+from modelparallel.smp.v2.checkpoint.state_dict_utils import (
     SMStateDictType,
     compute_auto_checkpoint_interval,
     init_optim_state,
@@ -296,7 +296,7 @@ def test_auto_checkpoint_interval_is_agreed_by_every_rank(workers):
 def test_s3_paths_survive_pathlib():
     from pathlib import Path
 
-    from modelparallel.smp.v2_checkpoint.s3_filesystem import (
+    from modelparallel.smp.v2.checkpoint.s3_filesystem import (
         format_s3_path,
         is_s3_uri,
         parse_s3_uri,
@@ -310,7 +310,7 @@ def test_s3_paths_survive_pathlib():
 
 
 def test_retry_with_jitter_retries_then_raises():
-    from modelparallel.smp.v2_checkpoint.s3_filesystem import retry_with_jitter
+    from modelparallel.smp.v2.checkpoint.s3_filesystem import retry_with_jitter
 
     calls = []
 
@@ -339,8 +339,8 @@ def test_retry_with_jitter_retries_then_raises():
 def test_writer_hooks_and_path_file_systems(tmp_path):
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    from modelparallel.smp.v2_checkpoint.filesystem import path_to_file_system
-    from modelparallel.smp.v2_checkpoint.s3_filesystem import S3FileSystem
+    from modelparallel.smp.v2.checkpoint.filesystem import path_to_file_system
+    from modelparallel.smp.v2.checkpoint.s3_filesystem import S3FileSystem
 
     seen = []
     writer = DistributedFileSystemWriter(tmp_path / "ckpt", pre_write_hooks=[

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import modelparallel as tsm
 from modelparallel.config import ConfigError
 from modelparallel.models import GPT, GPTConfig
-from modelparallel.smp.moe import MoEConfig
+from modelparallel.smp.v2.moe import MoEConfig
 from modelparallel.testing import assert_parity, token_batches, train
 from modelparallel.topology import CommGroup
 

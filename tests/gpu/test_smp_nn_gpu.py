@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from modelparallel.smp.nn import DistributedTransformerLMHead
-from modelparallel.smp.nn.attn import FlashGroupedQueryAttention, FlashSelfAttention
+from modelparallel.smp.v2.nn.flash_attention import FlashGroupedQueryAttention, FlashSelfAttention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run on a GPU machine)")

@@ -294,7 +294,7 @@ def _v1_step(mp, loss_fn, n: int, case: Case):
 
 def _v1_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
     from modelparallel.checkpoint import states
-    from modelparallel.smp.ranks import PP_GROUP, get_process_group
+    from modelparallel.smp.v1.ranks import PP_GROUP, get_process_group
 
     optimizer._filter()
     part = states.optimizer_state(model.module, optimizer.optimizer, full=True, every_rank=True)

@@ -104,7 +104,7 @@ def _cycles() -> list[list[str]]:
 
 
 def test_the_checker_sees_function_local_imports():
-    assert "modelparallel.smp.state" in GRAPH["modelparallel.smp.model"]
+    assert "modelparallel.smp.state" in GRAPH["modelparallel.smp.v1.distributed_model"]
     assert _imported("x", _write_probe()) == {"modelparallel.topology"}
 
 

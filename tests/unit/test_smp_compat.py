@@ -43,7 +43,7 @@ def test_resolve_maps_whole_subtrees_and_only_in_sagemaker_mode():
     assert compat.resolve("smdistributed", sagemaker=True) == compat.NAMESPACE
     assert compat.resolve("smdistributed.tensorflow", sagemaker=True) == compat.MISSING
     assert compat.resolve("modelparallel.grad_norm", sagemaker=False) == \
-        "modelparallel.smp.grad_norm"
+        "modelparallel.smp.v2.grad_norm"
     assert compat.resolve("modelparallel.smp", sagemaker=False) is None  # real modules
     assert compat.resolve("torch.nn", sagemaker=True) is None
 

@@ -15,8 +15,8 @@ from modelparallel.config import ConfigError
 from modelparallel.parallel.tensor.plans import TPOptions
 from modelparallel.parallel.tensor.transform import find_plans
 from modelparallel.smp import nn as smp_nn
-from modelparallel.smp.nn.huggingface import gpt2 as hf_gpt2
-from modelparallel.smp.nn.tensor_parallel_transformer import (
+from modelparallel.smp.v1.nn.huggingface import gpt2 as hf_gpt2
+from modelparallel.smp.v2.nn.tensor_parallel_transformer import (
     TETransformerLayer,
     TransformerLayer,
     TransformerLMHead,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from modelparallel.smp import nn as smp_nn
-from modelparallel.smp.nn.attn import FlashGroupedQueryAttention, FlashSelfAttention
+from modelparallel.smp.v2.nn.flash_attention import FlashGroupedQueryAttention, FlashSelfAttention
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from modelparallel.smp.amp import GradScaler
-from modelparallel.smp.optimizers import FusedAdam, FusedLAMB, FusedLamb, FusedNovoGrad
+from modelparallel.smp.v1.amp import GradScaler
+from modelparallel.smp.v1.fused_optimizers import FusedAdam, FusedLAMB, FusedLamb, FusedNovoGrad
 
 P0 = [[0.5, -1.0, 2.0], [0.25, 0.0, -0.75]]  # two tensors: a weight and a bias-like one
 GRADS = [  # gradients of each tensor at steps 1 and 2
@@ -232,7 +232,7 @@ def test_grad_scaler_in_one_process_is_torchs():
 def test_loss_scaling_arguments_choose_smp_v1s_scaler(caplog):
     from modelparallel.config import Config
     from modelparallel.parallel.precision import LossScaler
-    from modelparallel.smp.optimizer_facade import loss_scaler_for
+    from modelparallel.smp.v1.wrapped_optimizer import loss_scaler_for
 
     fp16, fp32 = Config.load({"fp16": True}), Config.load({})
     static = loss_scaler_for(fp16, 1.0, False, {}, None, 0)  # SMP's default: static 1.0
@@ -262,7 +262,11 @@ def test_shard_optimizer_state_with_sharded_data_parallelism_is_refused():
 def test_v1_utils_structures():
     from collections import namedtuple
 
-    from modelparallel.smp.v1_utils import flatten_structure, map_structure, unflatten_structure
+    from modelparallel.smp.v1.nested_structures import (
+        flatten_structure,
+        map_structure,
+        unflatten_structure,
+    )
 
     Pair = namedtuple("Pair", "a b")
     nested = {"x": [1, (2, 3)], "p": Pair(4, {"y": 5})}

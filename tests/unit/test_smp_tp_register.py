@@ -7,7 +7,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 import modelparallel as mp
 from modelparallel.parallel.tensor import plans
-from modelparallel.smp import tp_replace
+from modelparallel.smp.v1 import tp_register
 
 
 class Wide(nn.Module):
@@ -27,7 +27,7 @@ class Other(nn.Module):
 def cls():
     fresh = type("Fresh", (Wide,), {})  # registrations are global: one class per test
     yield fresh
-    tp_replace.unregister(fresh)
+    tp_register.unregister(fresh)
     plans.unregister(fresh)
 
 
@@ -37,11 +37,11 @@ def test_marked_modules_are_replaced_with_their_constructor_arguments(cls):
         inside = cls(4)
     outside = cls(4)
     root = nn.Sequential(inside, outside)
-    assert tp_replace.replace_marked(root) is root
+    assert tp_register.replace_marked(root) is root
     assert isinstance(root[0], Other) and root[0].width == 5
     assert root[1] is outside  # not marked: kept (and split by its plan, if any)
     mp.set_tensor_parallelism(outside, False)
-    assert tp_replace.replace_marked(outside) is outside
+    assert tp_register.replace_marked(outside) is outside
 
 
 def test_the_two_forms_replace_each_other(cls):
@@ -49,9 +49,9 @@ def test_the_two_forms_replace_each_other(cls):
     assert plans.plan_for(cls(2), plans.TPOptions(2)) is not None
     mp.tp_register_with_module(cls, Other)
     assert plans.plan_for(cls(2), plans.TPOptions(2)) is None
-    assert tp_replace.replacement_for(cls(2)).dist_module is Other
+    assert tp_register.replacement_for(cls(2)).dist_module is Other
     mp.tp_register_with_module(cls, {"proj": ColwiseParallel()})
-    assert tp_replace.replacement_for(cls(2)) is None
+    assert tp_register.replacement_for(cls(2)) is None
 
 
 def test_registration_mistakes_are_refused(cls):
@@ -70,4 +70,4 @@ def test_a_module_created_before_its_registration_says_what_to_do(cls):
         early = cls(2)
     mp.tp_register_with_module(cls, Other)
     with pytest.raises(RuntimeError, match=r"call smp\.tp_register_with_module before"):
-        tp_replace.replace_marked(early)
+        tp_register.replace_marked(early)

@@ -15,9 +15,9 @@ from modelparallel.parallel import replicate as replicating
 from modelparallel.parallel import sharding, stale_params, unused_grads
 from modelparallel.parallel.blocks import BlockSpec
 from modelparallel.parallel.tensor import transform as splitting  # the module
-from modelparallel.smp.moe import NOT_SUPPORTED as MOE_NOT_SUPPORTED
-from modelparallel.smp.moe import MoEConfig
 from modelparallel.smp.state import state
+from modelparallel.smp.v2.moe import NOT_SUPPORTED as MOE_NOT_SUPPORTED
+from modelparallel.smp.v2.moe import MoEConfig
 
 logger = logging.getLogger("modelparallel")
 

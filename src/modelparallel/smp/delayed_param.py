@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from modelparallel.parallel import deferred, delayed_init
 from modelparallel.parallel.delayed_init import init_empty_weights
 from modelparallel.parallel.placement import is_meta
-from modelparallel.smp import tp_context
 from modelparallel.smp.state import state
+from modelparallel.smp.v1 import tensor_parallelism as tp_marking
 
 logger = logging.getLogger("modelparallel")
 
@@ -256,14 +256,14 @@ def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None =
     decide), have their parameters' initialisation delayed when the configuration's
     ``delayed_parameter_initialization`` is true, and are created in ``dtype`` (the
     default floating type inside) when given. SMP's kernel options have no effect
-    (one line says so: ``tp_context``). Call after ``smp.init()``."""
+    (one line says so: ``tp_marking``). Call after ``smp.init()``."""
     cfg = state.require("smp.model_creation()").context.config
-    options = {k: v for k, v in locals().items() if k in tp_context.OPTIONS}
+    options = {k: v for k, v in locals().items() if k in tp_marking.OPTIONS}
     with contextlib.ExitStack() as stack:
         if tensor_parallelism:
-            stack.enter_context(tp_context.tensor_parallelism(True, **options))
+            stack.enter_context(tp_marking.tensor_parallelism(True, **options))
         else:
-            tp_context.no_effect("smp.model_creation", options)
+            tp_marking.no_effect("smp.model_creation", options)
         stack.enter_context(deferred.record(cfg.delayed_parameter_initialization))
         if dtype is not None:
             previous = torch.get_default_dtype()

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from modelparallel.smp.state import state
 
 if TYPE_CHECKING:
-    from modelparallel.smp.model import DistributedModel
-    from modelparallel.smp.optimizer import DistributedOptimizer
+    from modelparallel.smp.v1.distributed_model import DistributedModel
+    from modelparallel.smp.v1.distributed_optimizer import DistributedOptimizer
 
 
 def model() -> DistributedModel | None:

@@ -18,19 +18,30 @@ import torch.distributed as dist
 
 from modelparallel.config import Config, ConfigError
 from modelparallel.context import ParallelContext
-from modelparallel.precision_policy import PrecisionPolicy
-from modelparallel.smp import fsdp1_hook
+from modelparallel.parallel.offload import loading_horizon
 from modelparallel.smp.errors import NotInitializedError
-from modelparallel.smp.v2_state import V2Attributes
-from modelparallel.topology import CommGroup, DataParallelLayout, Topology, build_mesh, fits
+from modelparallel.smp.process_groups import build_context
+from modelparallel.smp.v2 import fsdp1_hook
+from modelparallel.smp.v2.replication_groups import Ranker
+from modelparallel.smp.v2.rng_tracker import DEFAULT_NAME, RNGStateTracker
+from modelparallel.topology import CommGroup, Topology, fits
 
 logger = logging.getLogger("modelparallel")
 
+# Degrees a script may set on tsm.state before init() (SMP v2's shared scripts set them
+# to 1 when they do not use SMP's implementation); init() applies them to the config.
+SETTABLE_DEGREES = ("tensor_parallel_degree", "context_parallel_degree",
+                    "expert_parallel_degree")
 
-class State(V2Attributes):
+
+class State:
     """What ``init()`` set up (``mp.state``): the context, and its parts by name (the
     config, the topology, the mesh, the 1-D meshes per dim and SMP group, the device),
-    and SMP v2's names for them (:class:`~modelparallel.smp.v2_state.V2Attributes`)."""
+    and the names SMP v2 scripts read from ``tsm.state`` (docs/smp-compatibility.md):
+    degrees, ranks and process groups by SMP v2's names, the ``ranker`` of replication
+    groups, and the activation offloading settings. Context and expert parallelism are
+    not built, so their degrees are always 1, their rank 0 and their groups hold this
+    rank alone."""
 
     def __init__(self) -> None:
         self._context: ParallelContext | None = None
@@ -112,6 +123,175 @@ class State(V2Attributes):
         return self.require(f"{group.name}").context.process_group(group)
 
 
+    # -- SMP v2's names (tsm.state) -------------------------------------------------
+    def _ctx(self, name: str) -> ParallelContext:
+        if self._context is None:
+            raise NotInitializedError(f"tsm.state.{name}")
+        return self._context
+
+    # sizes and degrees
+    @property
+    def world_size(self) -> int:
+        return self._ctx("world_size").topology.world_size
+
+    @property
+    def hybrid_shard_degree(self) -> int:
+        """The number of ranks each parameter is sharded over (SMP v2's degree after it
+        resolved 0 to the full data-parallel width)."""
+        return self._ctx("hybrid_shard_degree").topology.dp_shard
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        if self._context is None:
+            return self._degree_overrides.get("tensor_parallel_degree", 1)
+        return self._context.topology.tp
+
+    @tensor_parallel_degree.setter
+    def tensor_parallel_degree(self, value: int) -> None:
+        self._override("tensor_parallel_degree", value)
+
+    @property
+    def context_parallel_degree(self) -> int:
+        if self._context is None:
+            return self._degree_overrides.get("context_parallel_degree", 1)
+        return self._context.config.context_parallel_degree
+
+    @context_parallel_degree.setter
+    def context_parallel_degree(self, value: int) -> None:
+        self._override("context_parallel_degree", value)
+
+    @property
+    def expert_parallel_degree(self) -> int:
+        if self._context is None:
+            return self._degree_overrides.get("expert_parallel_degree", 1)
+        return self._context.config.expert_parallel_degree
+
+    @expert_parallel_degree.setter
+    def expert_parallel_degree(self, value: int) -> None:
+        self._override("expert_parallel_degree", value)
+
+    def _override(self, key: str, value: int) -> None:
+        if self._context is not None:
+            raise RuntimeError(f"tsm.state.{key} cannot change after tsm.init(); set "
+                               f"{key} in the configuration, or on tsm.state before init")
+        self._degree_overrides[key] = int(value)
+
+    def take_degree_overrides(self) -> dict[str, int]:
+        """The degrees set on the state before init (init applies them, once)."""
+        overrides, self._degree_overrides = self._degree_overrides, {}
+        return overrides
+
+    @property
+    def tp_size(self) -> int:
+        return self.tensor_parallel_degree
+
+    @property
+    def tp_rank(self) -> int:
+        return self._ctx("tp_rank").coordinate("tp")
+
+    @property
+    def cp_size(self) -> int:
+        return self.context_parallel_degree
+
+    @property
+    def cp_rank(self) -> int:
+        self._ctx("cp_rank")
+        return 0  # context parallelism is not built: the degree is 1
+
+    @property
+    def ep_size(self) -> int:
+        return self.expert_parallel_degree
+
+    @property
+    def ep_rank(self) -> int:
+        self._ctx("ep_rank")
+        return 0  # expert parallelism is not built: the degree is 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self._ctx("dp_rank").topology.rank_in(dist.get_rank(), CommGroup.RDP_GROUP)
+
+    @property
+    def dp_size(self) -> int:
+        return self._ctx("dp_size").topology.size_of(CommGroup.RDP_GROUP)
+
+    # process groups
+    @property
+    def world_process_group(self) -> dist.ProcessGroup:
+        self._ctx("world_process_group")
+        world = dist.group.WORLD
+        assert world is not None
+        return world
+
+    @property
+    def tp_process_group(self) -> dist.ProcessGroup:
+        return self._ctx("tp_process_group").process_group(CommGroup.TP_GROUP)
+
+    @property
+    def dp_process_group(self) -> dist.ProcessGroup:
+        return self._ctx("dp_process_group").process_group(CommGroup.RDP_GROUP)
+
+    @property
+    def rep_rank_process_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's replica that shard the model together (SMP v2: the
+        devices with the same replication rank)."""
+        return self._ctx("rep_rank_process_group").meshes["dp_shard"].get_group()
+
+    @property
+    def cp_process_group(self) -> dist.ProcessGroup:
+        """This rank alone (context parallelism is not built). Made on first use by
+        every rank together, like any process group."""
+        return self._singleton("cp_process_group")
+
+    @property
+    def ep_process_group(self) -> dist.ProcessGroup:
+        """This rank alone (expert parallelism is not built); made like cp's."""
+        return self._singleton("ep_process_group")
+
+    def _singleton(self, name: str) -> dist.ProcessGroup:
+        self._ctx(name)
+        if "group" not in self._singletons:
+            # one group per rank, made collectively (new_subgroups is called by all ranks)
+            group, _ = dist.new_subgroups(group_size=1)
+            self._singletons["group"] = group
+        return self._singletons["group"]
+
+    def reset(self) -> None:
+        """``tsm.state.reset()``: forget the initialization (as ``tsm.reset()``)."""
+        self.set(None)
+
+    @property
+    def ranker(self) -> Ranker:
+        return Ranker(self._ctx("ranker"))
+
+    # activation offloading (SMP v2 names; docs/smp-compatibility.md)
+    @property
+    def sm_activation_offloading(self) -> bool:
+        return self._ctx("sm_activation_offloading").config.sm_activation_offloading
+
+    @property
+    def activation_loading_horizon(self) -> int:
+        """The configured horizon, or SMP v2's default (2) when none is set."""
+        config = self._ctx("activation_loading_horizon").config
+        return loading_horizon(config.activation_loading_horizon, v2=True)
+
+    @property
+    def cfg(self) -> Config:
+        """SMP v1's name for the configuration (``smp.state.cfg.fp16``)."""
+        return self._ctx("cfg").config
+
+    def get_rng_state_tracker(self) -> RNGStateTracker:
+        """The tracker of named random states that SMP v2 passes to activation
+        checkpointing, with ``model-parallel-rng`` seeded by ``random_seed`` plus the
+        tensor-parallel rank (made on first use after each init)."""
+        context = self._ctx("get_rng_state_tracker")
+        if "rng" not in self._singletons:
+            tracker = RNGStateTracker()
+            tracker.add(DEFAULT_NAME, context.config.random_seed + context.coordinate("tp"))
+            self._singletons["rng"] = tracker
+        return self._singletons["rng"]
+
+
 state = State()
 
 
@@ -141,27 +321,7 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     except ConfigError as error:
         raise _with_launch_hint(error, cfg, world_size) from None
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = _device(cfg, local_rank)
-    use_cuda = device.type == "cuda"
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        if timeout is None:
-            timeout = datetime.timedelta(seconds=cfg.collective_timeout)
-        _init_default_group(cfg, use_cuda, timeout)
-
-    mesh, meshes = _mesh_for(topology, device.type)
-    timeout, default_too = _group_timeout(cfg, timeout, device.type)
-    _set_timeouts(timeout, mesh, meshes, default_too)
-    state.set(ParallelContext(
-        config=cfg, topology=topology,
-        data_parallel=DataParallelLayout.decide(cfg, topology),
-        precision=PrecisionPolicy.decide(cfg), mesh=mesh, meshes=meshes,
-        device=device,
-        rank=dist.get_rank(), local_rank=local_rank,
-        local_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
-        group_labels=_label_groups(meshes), generation=state.generation + 1))
+    state.set(build_context(cfg, topology, world_size, timeout, state.generation + 1))
     fsdp1_hook.install(state)  # unchanged FSDP1 scripts follow hybrid_shard_degree
     if state.rank == 0:
         logger.info("modelparallel initialized: %s", topology.describe())
@@ -183,96 +343,6 @@ def _with_overrides(cfg: Config, overrides: dict[str, int]) -> Config:
                        ", ".join(f"{k}: {getattr(cfg, k)!r} -> {v!r}"
                                  for k, v in changed.items()))
     return cfg.with_changes(**changed)
-
-
-def _device(cfg: Config, local_rank: int) -> torch.device:
-    """This rank's GPU, or the CPU; a ConfigError when the backend cannot work here."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.ddp_dist_backend == "nccl" and not gpus:
-        raise ConfigError([("ddp_dist_backend", "'nccl' needs CUDA GPUs and none is visible; "
-                                                "use 'auto' or 'gloo'")])
-    if not gpus or cfg.ddp_dist_backend == "gloo":
-        return torch.device("cpu")
-    if local_rank >= gpus:
-        raise ConfigError([("nproc_per_node", f"LOCAL_RANK {local_rank} has no GPU: only {gpus} "
-                                              f"are visible; launch at most {gpus} processes "
-                                              f"per node")])
-    return torch.device("cuda", local_rank)
-
-
-_MESHES: dict[tuple, tuple[Any, dict[str, Any]]] = {}
-
-
-def _mesh_for(topology: Topology, device_type: str):
-    """The mesh of ``topology``, built once per default process group."""
-    key = (topology, device_type, dist.group.WORLD)
-    if key not in _MESHES:
-        _MESHES[key] = build_mesh(topology, device_type)
-    return _MESHES[key]
-
-
-def _init_default_group(cfg: Config, use_cuda: bool, timeout: datetime.timedelta) -> None:
-    backend = cfg.ddp_dist_backend
-    if backend == "auto":
-        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
-    if "RANK" not in os.environ:  # a plain `python script.py`: one process, no launcher
-        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group(**kwargs)
-
-
-def _group_timeout(cfg: Config, timeout: datetime.timedelta | None,
-                   device_type: str) -> tuple[datetime.timedelta, bool]:
-    """The timeout of the groups of this init, and whether the default group gets it too.
-
-    ``timeout`` or a ``collective_timeout`` other than the default wins; otherwise a
-    default group made by the user or a test harness keeps its timeout, and the mesh
-    groups follow it.
-    """
-    if timeout is not None:
-        return timeout, True
-    configured = datetime.timedelta(seconds=cfg.collective_timeout)
-    if cfg.collective_timeout != Config.__dataclass_fields__["collective_timeout"].default:
-        return configured, True
-    try:  # torch has no public getter; Backend.options._timeout is what new_group reads
-        backend = _world()._get_backend(torch.device(device_type))
-        return backend.options._timeout, False
-    except (RuntimeError, AttributeError):  # a backend that does not say
-        return configured, False
-
-
-def _set_timeouts(timeout: datetime.timedelta, mesh: Any, meshes: dict[str, Any],
-                  default_too: bool) -> None:
-    """Give every mesh group (and the default group if ``default_too``) ``timeout``.
-
-    DeviceMesh makes its sub-groups with torch's backend default (30 minutes for gloo,
-    10 for nccl), not the default group's timeout, so they are set here; the cached
-    mesh of an earlier init() gets this init's value too. ``ProcessGroup.set_timeout``
-    (gloo and nccl) applies to the collectives started after it.
-    """
-    groups = [*mesh.get_all_groups(), *(m.get_group() for m in meshes.values())]
-    if default_too:
-        groups.append(dist.group.WORLD)
-    for group in {id(g): g for g in groups}.values():
-        try:
-            group.set_timeout(timeout)
-        except RuntimeError as e:  # a backend without timeouts (e.g. a custom one)
-            logger.warning("cannot set the timeout of process group %s: %s",
-                           group.group_name, e)
-
-
-def _label_groups(meshes: dict[str, Any]) -> dict[str, str]:
-    """Name every process group we made, for communication accounting."""
-    labels: dict[str, str] = {_world().group_name: "world"}
-    for name, mesh in meshes.items():  # mesh dims come last: the most specific label wins
-        labels[mesh.get_group().group_name] = name
-    return labels
-
-
-def _world() -> dist.ProcessGroup:
-    world = dist.group.WORLD
-    assert world is not None, "the default process group exists after init"
-    return world
 
 
 def reset() -> None:

@@ -16,13 +16,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from modelparallel.parallel.tensor.layouts import lm_head, vocab_embedding
 from modelparallel.parallel.tensor.plans import REPLICATED, SHARDED, TPOptions, TPPlan, builtin
-from modelparallel.smp.nn.attention import (
+from modelparallel.smp.v1.nn.attention import (
     DistributedAttentionLayer,
     DistributedTransformerOutputLayer,
 )
-from modelparallel.smp.nn.layers import DistributedEmbedding, DistributedLinear
-from modelparallel.smp.nn.tensor_parallel_transformer import TransformerLMHead
-from modelparallel.smp.nn.transformer import DistributedTransformerLMHead
+from modelparallel.smp.v1.nn.layers import DistributedEmbedding, DistributedLinear
+from modelparallel.smp.v1.nn.transformer import DistributedTransformerLMHead
+from modelparallel.smp.v2.nn.tensor_parallel_transformer import TransformerLMHead
 
 
 @builtin(DistributedAttentionLayer)
