@@ -39,6 +39,13 @@ class PrecisionPolicy:
                    loss_scaling=half == "fp16")
 
     @property
+    def name(self) -> str:
+        """The configuration's name for it: ``fp16``, ``bf16`` or ``fp32``."""
+        if self.param_dtype is None:
+            return "fp32"
+        return {torch.float16: "fp16", torch.bfloat16: "bf16"}[self.param_dtype]
+
+    @property
     def mixed(self) -> bool:
         """Whether the forward computes in a type other than the parameters'."""
         return self.param_dtype is not None

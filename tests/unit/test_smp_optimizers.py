@@ -232,9 +232,10 @@ def test_grad_scaler_in_one_process_is_torchs():
 def test_loss_scaling_arguments_choose_smp_v1s_scaler(caplog):
     from modelparallel.config import Config
     from modelparallel.parallel.precision import LossScaler
+    from modelparallel.precision_policy import PrecisionPolicy
     from modelparallel.smp.v1.wrapped_optimizer import loss_scaler_for
 
-    fp16, fp32 = Config.load({"fp16": True}), Config.load({})
+    fp16, fp32 = (PrecisionPolicy.decide(Config.load(keys)) for keys in ({"fp16": True}, {}))
     static = loss_scaler_for(fp16, 1.0, False, {}, None, 0)  # SMP's default: static 1.0
     assert static is not None and static.scale_value == 1.0 and not static.dynamic
     dynamic = loss_scaler_for(fp16, None, True, {"scale_window": 10, "delayed_shift": 2},

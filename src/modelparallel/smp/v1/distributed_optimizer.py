@@ -50,8 +50,8 @@ class DistributedOptimizer(wrapped_optimizer.WrappedTorchOptimizer):
         self._unscaled = False  # clip_master_grads unscaled this step's gradients
         self._pending_load: Any = None  # load_state_dict before the split
         self.loss_scaler = wrapped_optimizer.loss_scaler_for(
-            s, static_loss_scale, dynamic_loss_scale,
-            {**(dynamic_loss_args or {}), **more_dynamic_loss_args}, loss_scaler)
+            s.precision, static_loss_scale, dynamic_loss_scale,
+            {**(dynamic_loss_args or {}), **more_dynamic_loss_args}, loss_scaler, s.rank)
         registry.set_optimizer(self)
 
     @property

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from modelparallel.context import ParallelContext
 from modelparallel.parallel.optimizer_sharding import OptimizerStateSharding
 from modelparallel.parallel.precision import LossScaler
+from modelparallel.precision_policy import PrecisionPolicy
 
 logger = logging.getLogger("modelparallel")
 
@@ -116,17 +116,17 @@ class WrappedTorchOptimizer(torch.optim.Optimizer):
         return getattr(inner, name)
 
 
-def loss_scaler_for(ctx: ParallelContext, static_loss_scale: float | None,
+def loss_scaler_for(precision: PrecisionPolicy, static_loss_scale: float | None,
                     dynamic_loss_scale: bool, dynamic_loss_args: dict[str, Any],
-                    loss_scaler: LossScaler | None) -> LossScaler | None:
+                    loss_scaler: LossScaler | None, rank: int) -> LossScaler | None:
     """The loss scaler SMP v1's ``FP16_Optimizer`` would use for these arguments (None
     unless the precision policy scales the loss: fp16)."""
-    config, rank, fp16 = ctx.config, ctx.rank, ctx.precision.loss_scaling
+    fp16 = precision.loss_scaling
     given = static_loss_scale != 1.0 or dynamic_loss_scale or bool(dynamic_loss_args)
     if loss_scaler is not None:
         if not fp16:
             raise ValueError("a loss_scaler is for fp16=True; the configuration trains in "
-                             f"{config.half_precision or 'fp32'}, which needs none")
+                             f"{precision.name}, which needs none")
         if given:
             raise ValueError("pass either loss_scaler= or static_loss_scale / "
                              "dynamic_loss_scale / dynamic_loss_args, not both")
@@ -136,7 +136,7 @@ def loss_scaler_for(ctx: ParallelContext, static_loss_scale: float | None,
             logger.warning("DistributedOptimizer(static_loss_scale / dynamic_loss_scale / "
                            "dynamic_loss_args) have no effect: the configuration trains in "
                            "%s, and loss scaling is only for fp16: True (as in SMP v1)",
-                           config.half_precision or "fp32")
+                           precision.name)
         return None
     unknown = sorted(set(dynamic_loss_args) - set(DYNAMIC_LOSS_ARGS))
     if unknown:
