@@ -135,8 +135,11 @@ def _():
         integer = "accepted"
     except TypeError as e:
         integer = str(e)
+    swapped = torch.zeros(2)  # rank r sends [10r, 10r+1]: piece i goes to rank i
+    sdist.all_to_all_single(swapped, torch.tensor([10.0 * rank, 10.0 * rank + 1]))
     return [t.item(), a.item(), m.item(), integer, sdist.get_local_rank(), sdist.is_available(),
-            sdist.get_world_size(group=sdist.group.WORLD)]
+            sdist.get_world_size(group=sdist.group.WORLD), sdist.get_local_size(),
+            sdist.is_initialized(), swapped.tolist()]
 
 
 @check("legacy_ddp_parity")

@@ -53,8 +53,12 @@ def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: boo
     ref = reference(layers, tied)
     model = gpt(layers, tied)
     if manual:  # SMP v1: place the last layer alone on the last stage
-        for i, block in enumerate(model.blocks):
-            mp.set_partition(block, 0 if i < layers - 1 else config["pipeline_parallel_degree"] - 1)
+        for block in model.blocks[:-1]:
+            mp.set_partition(block, 0)
+        with mp.partition(config["pipeline_parallel_degree"] - 1):  # made here: placed there
+            last = type(model.blocks[-1])(model.cfg)
+        last.load_state_dict(model.blocks[-1].state_dict())
+        model.blocks[-1] = last
     model = mp.DistributedModel(model)
     if checkpointed:  # SMP v1 scripts mark modules after wrapping
         mp.set_activation_checkpointing(model.module.blocks)
@@ -76,6 +80,9 @@ def pipeline_case(config: dict, layers: int = 4, tied: bool = False, manual: boo
     held = list(model.local_modules())
     blocks = [b for b in model.module.blocks if any(b is m for m in held)]
     recomputed = [m for m in held if is_recomputed(m)]
+    if manual:  # set_partition put blocks 0..2 on stage 0, mp.partition the last on 1
+        expected = model.module.blocks[:-1] if mp.pp_rank() == 0 else model.module.blocks[-1:]
+        assert blocks == list(expected), (mp.pp_rank(), len(blocks))
     assert recomputed == (blocks if checkpointed else [])
 
     x = token_batches(1, GLOBAL_BATCH, SEQ, VOCAB, seed=2)[0][0]

@@ -131,8 +131,9 @@ def overflow_case(init_scale: float) -> dict:
     are skipped on every rank alike and the scale comes down."""
     mp.init({"fp16": True, "hybrid_shard_degree": 2})
     model = mp.DistributedModel(_gpt())
-    optimizer = mp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        loss_scaler=mp.LossScaler(init_scale))
+    optimizer = mp.DistributedOptimizer(  # SMP v1's FP16_Optimizer arguments
+        torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None,
+        dynamic_loss_scale=True, dynamic_loss_args={"init_scale": init_scale})
 
     @mp.step
     def step(model, x):

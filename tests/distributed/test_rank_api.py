@@ -18,9 +18,22 @@ LAYOUTS = [
 def groups_case(config):
     mp.init(config)
     s = mp.state
-    out = {"queries": {name: getattr(mp, name)() for name in (
-        "rank", "size", "local_rank", "local_size", "dp_rank", "dp_size", "rdp_rank",
-        "rdp_size", "pp_rank", "pp_size", "tp_rank", "tp_size", "mp_rank", "mp_size")}}
+    out = {"queries": {  # each call written out: the compatibility table cites them here
+        "rank": mp.rank(), "size": mp.size(), "local_rank": mp.local_rank(),
+        "local_size": mp.local_size(), "dp_rank": mp.dp_rank(), "dp_size": mp.dp_size(),
+        "rdp_rank": mp.rdp_rank(), "rdp_size": mp.rdp_size(), "pp_rank": mp.pp_rank(),
+        "pp_size": mp.pp_size(), "tp_rank": mp.tp_rank(), "tp_size": mp.tp_size(),
+        "mp_rank": mp.mp_rank(), "mp_size": mp.mp_size()}}
+    out["lists"] = {"DP_GROUP": mp.get_dp_group(), "MP_GROUP": mp.get_mp_group(),
+                    "PP_GROUP": mp.get_pp_group(), "TP_GROUP": mp.get_tp_group(),
+                    "RDP_GROUP": mp.get_rdp_group()}
+    process_groups = {"WORLD": mp.get_world_process_group(),
+                      "DP_GROUP": mp.get_dp_process_group(),
+                      "MP_GROUP": mp.get_mp_process_group(),
+                      "PP_GROUP": mp.get_pp_process_group(),
+                      "TP_GROUP": mp.get_tp_process_group(),
+                      "RDP_GROUP": mp.get_rdp_process_group()}
+    out["named"] = {name: dist.get_process_group_ranks(pg) for name, pg in process_groups.items()}
     for group in CommGroup:
         pg = mp.get_process_group(group)
         out[group.name] = dist.get_process_group_ranks(pg)
@@ -43,6 +56,10 @@ def test_groups_match_the_rank_arithmetic(workers, config):
             expected = topo.group_ranks(rank, group)
             assert got[group.name] == expected, (rank, group)
             assert got[group.name + "_gathered"] == expected, (rank, group)
+            assert got["named"][group.name] == expected, (rank, group)
+            if group.name in got["lists"]:  # get_dp_group() & co.: the same ranks, listed
+                assert got["lists"][group.name] == expected, (rank, group)
+        assert set(got["lists"]) | {"WORLD"} == set(got["named"]) == {g.name for g in CommGroup}
         assert got["dp_shard"] == topo.group_ranks(rank, ["dp_shard"])
         assert got["dp_replicate"] == topo.group_ranks(rank, ["dp_replicate"])
         for name, group in [("tp", CommGroup.TP_GROUP), ("pp", CommGroup.PP_GROUP),

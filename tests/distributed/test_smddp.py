@@ -62,4 +62,4 @@ def test_deprecated_api(ranks):
     for rank, got in enumerate(outcome(ranks, "legacy_api")):
         assert got[:3] == [0.5, 1.0, 1.0]  # AVERAGE (sync and async), MAX
         assert "floating-point" in got[3]  # AVERAGE of integers is refused
-        assert got[4:] == [rank, True, 2]
+        assert got[4:] == [rank, True, 2, 2, True, [0.0 + rank, 10.0 + rank]]

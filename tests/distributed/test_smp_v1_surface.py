@@ -2,10 +2,9 @@
 sharding (``shard_optimizer_state``) with its checkpoints, ``smp.save`` / ``smp.load``
 and the manual checkpoint pattern, ``smp.amp.GradScaler`` with ``smp.optimizers.FusedLAMB``
 over a pipeline, ``backward_passes_per_step`` with ``clip_master_grads`` and an LR
-scheduler on the ``DistributedOptimizer``, and what ``DistributedModel``'s other
-arguments do."""
+scheduler on the ``DistributedOptimizer``. What ``DistributedModel``'s other arguments
+do: test_smp_v1_model_arguments.py."""
 
-import logging
 import os
 
 import pytest
@@ -18,6 +17,7 @@ from modelparallel.models.gpt import lm_loss
 from modelparallel.smp.v1.amp import GradScaler
 from modelparallel.smp.v1.fused_optimizers import FusedLAMB
 from modelparallel.smp.v1.save_load import load, save
+from modelparallel.smp.v2.checkpoint.constants import SMP_IS_PARTIAL_KEY
 from modelparallel.testing import assert_parity, token_batches
 from modelparallel.testing.parity import TrainResult
 
@@ -91,8 +91,10 @@ def zero_train_case(path: str) -> dict:
     kept = sorted(names[id(p)] for p in optimizer.optimizer.state)
     full = optimizer.state_dict()[0]  # gathered over the replicas
     held = [names[id(p)] for p in optimizer.param_groups[0]["params"]]
+    share = len(optimizer.local_state_dict()["state"])
+    whole = len(optimizer.local_state_dict(gather_if_shard=True)["state"])
     return {"losses": losses, "params": model.state_dict(), "kept": kept,
-            "kept_after_gather": len(optimizer.optimizer.state),
+            "local": (share, whole), "kept_after_gather": len(optimizer.optimizer.state),
             "state": {held[i]: s for i, s in full["state"].items()}}
 
 
@@ -119,6 +121,8 @@ def test_shard_optimizer_state_trains_as_one_process_and_resumes(workers, tmp_pa
     assert kept[0] and kept[1] and not kept[0] & kept[1]  # each replica keeps its share
     assert kept[0] | kept[1] == set(ref_state)
     assert all(run["kept_after_gather"] == len(run["kept"]) for run in runs)  # dropped again
+    # local_state_dict(): this replica's share; gather_if_shard=True: every parameter's
+    assert [run["local"] for run in runs] == [(len(k), len(ref_state)) for k in kept]
     resumed = workers(2).run(zero_resume_case, path=str(tmp_path))
     for run, before in zip(resumed, runs, strict=True):
         assert run["losses"] == pytest.approx(before["losses"][2:], rel=1e-6)
@@ -140,13 +144,17 @@ def manual_save_case(path: str) -> dict:
         save({"model": model.local_state_dict(), "optimizer": optimizer.local_state_dict()},
              os.path.join(path, "ckpt.pt"), partial=True)
     full = model.state_dict()
+    on_rank0 = model.state_dict(gather_to_rank0=True)  # SMP's default: rank 0 only
+    gathered = (sorted(on_rank0) == sorted(full)
+                and all(torch.equal(v, full[k]) for k, v in on_rank0.items()))
     if mp.rank() == 0:
         save(full, os.path.join(path, "full.pt"), partial=False)
     mp.barrier()
     saved = {k: v.clone() for k, v in model.local_state_dict().items()}
     step3 = _v1_step(model, optimizer, *BATCHES[2])
     part = load(os.path.join(path, "ckpt.pt"))
-    model.load_state_dict(part["model"])
+    assert SMP_IS_PARTIAL_KEY not in part["model"]
+    model.load_state_dict({**part["model"], SMP_IS_PARTIAL_KEY: True})  # SMP's marker: dropped
     optimizer.load_state_dict(part["optimizer"])
     restored = all(torch.equal(v, saved[k]) for k, v in model.local_state_dict().items())
     again = _v1_step(model, optimizer, *BATCHES[2])
@@ -157,7 +165,8 @@ def manual_save_case(path: str) -> dict:
         k.removeprefix("module."): v for k, v in sd.items()})
     from_full = all(torch.equal(v, saved[k]) for k, v in model.local_state_dict().items())
     return {"files": sorted(os.listdir(path)), "step3": step3, "again": again,
-            "restored": restored, "from_full": from_full, "held": sorted(saved)}
+            "restored": restored, "from_full": from_full, "held": sorted(saved),
+            "gathered": gathered if mp.rank() == 0 else on_rank0}
 
 
 def manual_load_case(path: str) -> float:
@@ -177,6 +186,7 @@ def test_manual_save_and_load_round_trip_on_a_pipeline(workers, tmp_path):
     runs = workers(2).run(manual_save_case, path=str(tmp_path))
     assert runs[0]["files"] == ["ckpt.pt_0_0", "ckpt.pt_1_0", "full.pt"]  # SMP's names
     assert runs[0]["held"] != runs[1]["held"]  # each stage saved its own part
+    assert runs[0]["gathered"] is True and runs[1]["gathered"] == {}  # gather_to_rank0
     for run in runs:
         assert run["restored"] and run["from_full"]
         assert run["again"] == pytest.approx(run["step3"], rel=1e-6)  # optimizer state too
@@ -281,20 +291,24 @@ def accumulation_case() -> dict:
         torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
     assert isinstance(optimizer, torch.optim.Optimizer)
     sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
-    losses, norms, first_pass = [], [], []
-    for x, y in BATCHES:
-        optimizer.zero_grad()
+    losses, norms, first_pass, cleared = [], [], [], []
+    for step, (x, y) in enumerate(BATCHES):
+        optimizer.zero_grad(set_grads_to_None=step % 2 == 0)
+        grad = model.module.lm_head.weight.grad
+        cleared.append(None if grad is None else float(grad.abs().sum()))
         for i, (xs, ys) in enumerate(zip(_halves(x), _halves(y), strict=True)):
             losses.append(_global_loss(train_step(model, _rows(xs), _rows(ys)).reduce_mean()))
             if i == 0:  # not reduced yet: each replica holds its own rows' gradient
                 first_pass.append(model.module.lm_head.weight.grad.clone())
-        norms.append(float(optimizer.clip_master_grads(CLIP)))
+        clip = optimizer.clip_master_grads if step % 2 == 0 else optimizer.clip_grad_norm
+        norms.append(float(clip(CLIP)))  # clip_grad_norm: Apex's name, the same clipping
         optimizer.step()
         sched.step()
     lr = optimizer.optimizer.param_groups[0]["lr"]
     lambda_lr = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda epoch: 0.1)
     return {"losses": losses, "params": model.state_dict(), "norms": norms,
-            "first_pass": first_pass, "lr": lr, "lambda_lr": lambda_lr.get_last_lr()[0],
+            "first_pass": first_pass, "cleared": cleared, "lr": lr,
+            "lambda_lr": lambda_lr.get_last_lr()[0],
             "lambda_in_wrapper": optimizer.param_groups[0]["lr"]}
 
 
@@ -304,94 +318,9 @@ def test_backward_passes_per_step_accumulates_before_reducing(workers):
     for run in runs:
         assert_parity(TrainResult(run["losses"], run["params"]), reference)
         assert run["norms"] == pytest.approx(ref_norms, rel=1e-5)  # summed microbatches
+        # set_grads_to_None=True drops the gradients, False zeroes them in place
+        assert run["cleared"] == [None, 0.0, None]
         assert run["lr"] == pytest.approx(0.2 * 0.5 ** 3)  # StepLR drove the wrapped groups
         assert run["lambda_lr"] == run["lambda_in_wrapper"] == pytest.approx(0.02)
     for a, b in zip(runs[0]["first_pass"], runs[1]["first_pass"], strict=True):
         assert not torch.allclose(a, b)
-
-
-# -- DistributedModel's other arguments ---------------------------------------------------
-class _Capture(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-def _bn_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
-
-
-@mp.step
-def bn_step(model, x):
-    out = model(x).pow(2).mean()
-    model.backward(out)
-    return out
-
-
-def options_case() -> dict:
-    capture = _Capture()
-    logging.getLogger("modelparallel").addHandler(capture)
-    try:
-        mp.init({"ddp": True, "hybrid_shard_degree": 1})
-        with pytest.raises(ValueError, match="trace_device must be 'gpu' or 'cpu'"):
-            mp.DistributedModel(_bn_model(), trace_device="tpu")
-        module = _bn_model()
-        model = mp.DistributedModel(
-            module, trace_device="gpu", trace_memory_usage=True, overlapping_allreduce=False,
-            bucket_cap_mb=100, find_unused_parameters=True, gradient_as_bucket_view=True)
-        # (no pipeline: nothing is traced, so the trace arguments have nothing to say)
-        optimizer = mp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                            static_loss_scale=None, dynamic_loss_scale=True)
-        own = torch.randn(4, 4, generator=torch.Generator().manual_seed(mp.rank()))
-        same = torch.randn(4, 4, generator=torch.Generator().manual_seed(99))
-        means = []
-        for x in (own, own, same):
-            optimizer.zero_grad()
-            bn_step(model, x)
-            optimizer.step()
-            means.append(module[1].running_mean.clone())
-    finally:
-        logging.getLogger("modelparallel").removeHandler(capture)
-    return {"lines": capture.lines, "module": model.get_module() is module, "means": means}
-
-
-def trace_options_case() -> list[str]:
-    capture = _Capture()
-    logging.getLogger("modelparallel").addHandler(capture)
-    try:
-        mp.init(PP)
-        mp.DistributedModel(gpt(), trace_device="gpu", trace_memory_usage=True)
-    finally:
-        logging.getLogger("modelparallel").removeHandler(capture)
-    return capture.lines
-
-
-def _said_once(lines: list[str], expected: list[str]) -> None:
-    said = "\n".join(lines)
-    for text in expected:
-        assert said.count(text) == 1, (text, lines)
-
-
-def test_distributed_model_arguments_work_or_say_why_not(workers):
-    r0, r1 = workers(2).run(options_case)
-    assert r0["module"] and r1["module"]
-    _said_once(r0["lines"], [
-        "overlapping_allreduce=False) has no", "bucket_cap_mb=100) has no effect",
-        "find_unused_parameters=True) has no", "gradient_as_bucket_view=True) has no",
-        "dynamic_loss_args) have no effect"])
-    assert "trace" not in "\n".join(r0["lines"])
-    assert r1["lines"] == []  # rank 0 says it once
-    t0, t1 = workers(2).run(trace_options_case)
-    expected = ["trace_memory_usage=True) has no effect"]
-    if not torch.cuda.is_available():  # traces on the device it has, and says so
-        expected.append("trace_device='gpu'): this machine has no GPU")
-    _said_once(t0, expected)
-    assert t1 == []
-    # broadcast_buffers: each replica updates its BatchNorm statistics with its own rows,
-    # and starts every training step from data-parallel rank 0's
-    assert not torch.equal(r0["means"][1], r1["means"][1])
-    assert torch.equal(r0["means"][2], r1["means"][2])

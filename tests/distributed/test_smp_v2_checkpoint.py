@@ -213,13 +213,16 @@ def local_case(root: str, hybrid: int) -> dict:
                  "scheduler": sched.state_dict(), "step": 2}
     writer = DistributedFileSystemWriter(subdir, pre_write_hooks=[started.append],
                                          post_write_hooks=[mark])
-    queue = AsyncCallsQueue()
+    queue = AsyncCallsQueue() if hybrid == 0 else None  # None: the module's default queue
     saver.async_save(state, storage_writer=writer, process_group=group,
                      coordinator_rank=coordinator, queue=queue, force_check_all_plans=False,
                      wait_error_handling=False)
     losses += train(model, opt, sched, data[2:])
     expected = snapshot(model, opt)
-    queue.maybe_finalize_async_calls(blocking=True, skip_sync=True)
+    default_queue = [saver.DEFAULT_ASYNC_REQUEST_QUEUE.get_num_unfinalized_calls()]
+    (queue or saver.DEFAULT_ASYNC_REQUEST_QUEUE).maybe_finalize_async_calls(blocking=True,
+                                                                           skip_sync=True)
+    default_queue.append(saver.DEFAULT_ASYNC_REQUEST_QUEUE.get_num_unfinalized_calls())
     with open(os.path.join(subdir, ".local.metadata"), "rb") as f:
         marker = torch.load(f, weights_only=True)
 
@@ -239,7 +242,8 @@ def local_case(root: str, hybrid: int) -> dict:
     resumed = train(fresh, opt2, sched2, data[2:])
     return {"losses": losses[2:], "resumed": resumed, "step": target["step"],
             "differ": differences(snapshot(fresh, opt2), expected), "started": len(started),
-            "marker": marker, "dirs": sorted(os.listdir(os.path.join(root, "step2")))}
+            "marker": marker, "default_queue": default_queue,
+            "dirs": sorted(os.listdir(os.path.join(root, "step2")))}
 
 
 @pytest.mark.parametrize("hybrid", [0, 1])  # 2 shards, no replicas; 2 replicas of 1 shard
@@ -248,6 +252,7 @@ def test_sm_local_state_dict_round_trip(workers, tmp_path, hybrid):
         assert got["resumed"] == got["losses"]
         assert got["differ"] == []
         assert got["step"] == 2 and got["started"] == 1 and got["marker"] == {"step": 2}
+        assert got["default_queue"] == ([1, 0] if hybrid else [0, 0])  # queue=None's
         assert got["dirs"] == (["tp0_ep0_fsdp0", "tp0_ep0_fsdp1"] if hybrid == 0
                                else ["tp0_ep0_fsdp0"])
 
@@ -273,7 +278,8 @@ def test_load_errors_are_clear_and_on_every_rank(workers, tmp_path):
     for keys, missing, coordinator in workers(2).run(errors_case, root=str(tmp_path / "ckpt")):
         assert keys.startswith("CheckpointError|False|load: the ranks ask for different keys")
         assert "rank 1 lacks 1 key(s) ('only0') and has 1 key(s) ('only1')" in keys
-        assert missing.startswith("CheckpointKeyError|True|")  # scripts catch KeyError
+        # a loader.CheckpointKeyError, which is a KeyError (scripts catch KeyError)
+        assert missing.startswith(f"{loader.CheckpointKeyError.__name__}|True|")
         assert "Missing key in checkpoint state_dict: c" in missing
         assert coordinator.startswith("ValueError|False|load: coordinator_rank=1: the "
                                       "checkpoint is coordinated from the group's first rank, 0")

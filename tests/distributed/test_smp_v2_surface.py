@@ -35,16 +35,25 @@ def reference():
 
 def state_case():
     tsm.state.tensor_parallel_degree = 1  # before init: applied to the configuration
+    initialized_before = tsm.is_initialized()
     tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 1})
     s = tsm.state
-    out = {name: getattr(s, name) for name in (
-        "world_size", "rank", "local_rank", "hybrid_shard_degree", "tensor_parallel_degree",
-        "tp_size", "tp_rank", "context_parallel_degree", "cp_size", "cp_rank",
-        "expert_parallel_degree", "ep_size", "ep_rank", "dp_rank", "dp_size",
-        "sm_activation_offloading", "activation_loading_horizon")}
-    out["groups"] = {name: dist.get_process_group_ranks(getattr(s, name)) for name in (
-        "world_process_group", "tp_process_group", "dp_process_group",
-        "rep_rank_process_group", "cp_process_group", "ep_process_group")}
+    out = {  # each attribute written out: the compatibility table cites them here
+        "initialized": (initialized_before, tsm.is_initialized()),
+        "world_size": s.world_size, "rank": s.rank, "local_rank": s.local_rank,
+        "hybrid_shard_degree": s.hybrid_shard_degree,
+        "tensor_parallel_degree": s.tensor_parallel_degree, "tp_size": s.tp_size,
+        "tp_rank": s.tp_rank, "context_parallel_degree": s.context_parallel_degree,
+        "cp_size": s.cp_size, "cp_rank": s.cp_rank,
+        "expert_parallel_degree": s.expert_parallel_degree, "ep_size": s.ep_size,
+        "ep_rank": s.ep_rank, "dp_rank": s.dp_rank, "dp_size": s.dp_size,
+        "sm_activation_offloading": s.sm_activation_offloading,
+        "activation_loading_horizon": s.activation_loading_horizon}
+    groups = {"world_process_group": s.world_process_group,
+              "tp_process_group": s.tp_process_group, "dp_process_group": s.dp_process_group,
+              "rep_rank_process_group": s.rep_rank_process_group,
+              "cp_process_group": s.cp_process_group, "ep_process_group": s.ep_process_group}
+    out["groups"] = {name: dist.get_process_group_ranks(pg) for name, pg in groups.items()}
     out["rep_groups"] = s.ranker.get_rep_groups()
     out["rep_rank"] = s.ranker.get_rep_rank(s.rank)
     out["cfg_fp16"] = s.cfg.fp16
@@ -71,7 +80,8 @@ def test_state_attributes_follow_the_layout(workers):
                              environ={})
     topo = tsm.Topology.from_config(config, 4)
     for rank, got in enumerate(results):
-        assert got["world_size"] == 4 and got["rank"] == rank
+        assert got["initialized"] == (False, True)
+        assert got["world_size"] == 4 and got["rank"] == rank and got["local_rank"] == rank
         assert got["tensor_parallel_degree"] == got["tp_size"] == 1 and got["tp_rank"] == 0
         assert got["hybrid_shard_degree"] == 1
         assert (got["context_parallel_degree"], got["cp_size"], got["cp_rank"]) == (1, 1, 0)
@@ -207,6 +217,8 @@ def v1_calls_case():
     got["after"] = tsm.is_tracing()
     got["local_modules"] = [n for n, _ in model.local_named_modules()]
     got["local_buffers"] = [n for n, _ in model.local_named_buffers()]
+    got["same_buffers"] = [b is c for b, (_, c) in
+                           zip(model.local_buffers(), model.local_named_buffers(), strict=True)]
     got["distributed"] = list(model.distributed_modules())  # no TP plan: nothing split
     with pytest.raises(NotImplementedError, match="uneven inputs"), model.join():
         pass
@@ -232,4 +244,5 @@ def test_smp_v1_group_calls_and_tracing_flag(workers):
         layers = [str(2 * stage), str(2 * stage + 1)]
         assert [n for n in got["local_modules"] if n.count(".") == 0 and n] == layers
         assert got["local_buffers"] == [f"{n}.calls" for n in layers]
+        assert got["same_buffers"] == [True, True]
         assert got["distributed"] == []

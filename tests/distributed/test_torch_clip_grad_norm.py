@@ -128,6 +128,10 @@ def distributed_model_case(config: dict) -> list[str]:
              for n in ("ln_f.weight", "blocks.0.attn.q_proj.weight")}
     if split != {"ln_f.weight": False, "blocks.0.attn.q_proj.weight": True}:
         problems.append(f"is_distributed_parameter: {split}")
+    buffers = [model.is_distributed_buffer(b) for b in model.module.buffers()]
+    as_buffer = model.is_distributed_buffer(held["blocks.0.attn.q_proj.weight"])
+    if any(buffers) or not as_buffer:  # the same question of a buffer: whole ones are not
+        problems.append(f"is_distributed_buffer: {buffers}, split tensor: {as_buffer}")
     return problems + parity_problems(TrainResult(losses, model.state_dict()), ref)
 
 

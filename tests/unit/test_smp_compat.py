@@ -127,21 +127,25 @@ def test_user_content_never_imports_what_a_checkpoint_names():
         states.check_safe("user_content", codec.encode({"p": Path("/")}))
 
 
-def test_checkpoint_utils_keep_the_newest_directories(tmp_path):
+def test_checkpoint_utils_keep_the_newest_directories(tmp_path, capfd):
     from modelparallel.checkpoint.utils import SORT_BY_LAST_INT, limit_num_subdirs
 
     for step in (5, 40, 300, 7):
         (tmp_path / f"run_{step}steps").mkdir()
     (tmp_path / "other").mkdir()
+    # SMP's v2 shared scripts call it on every rank with log=(rank == 0): "Both log
+    # messages and do the actual remove as needed for one single rank" (checkpoints.py)
+    kept = limit_num_subdirs(str(tmp_path), 2, sort_fn=SORT_BY_LAST_INT,
+                             regex=r"^.*\d+steps$", log=False)
+    assert kept == [] and len(list(tmp_path.iterdir())) == 5
+    assert "removed" not in capfd.readouterr().err
     removed = limit_num_subdirs(str(tmp_path), 2, sort_fn=SORT_BY_LAST_INT,
                                 regex=r"^.*\d+steps$", log=True)
     assert sorted(removed) == ["run_5steps", "run_7steps"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "run_300steps",
                                                           "run_40steps"]
+    assert capfd.readouterr().err.count("modelparallel.script: removed old checkpoint") == 2
     assert limit_num_subdirs(str(tmp_path), None) == []
-    # called on every rank, only the one with log=True removes (as SMP's scripts call it)
-    assert limit_num_subdirs(str(tmp_path), 1, regex=r"^.*\d+steps$", log=False) == []
-    assert (tmp_path / "run_40steps").exists()
 
 
 def test_test_utils_dump_and_verify(tmp_path):

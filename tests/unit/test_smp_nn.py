@@ -170,6 +170,38 @@ def test_linear_embedding_layer_norm_are_their_torch_modules():
     torch.testing.assert_close(norm(emb(ids)), F.layer_norm(emb(ids), (6,), eps=1e-6))
     with pytest.raises(ValueError, match="max_norm"):
         smp_nn.DistributedEmbedding(10, 6, max_norm=1.0)
+    distributed_norm = smp_nn.DistributedLayerNorm(6, eps=1e-6)  # replicated: torch's
+    with torch.no_grad():
+        distributed_norm.weight.uniform_(0.5, 1.5)
+        distributed_norm.bias.uniform_(-1, 1)
+    torch.testing.assert_close(distributed_norm(emb(ids)), F.layer_norm(
+        emb(ids), (6,), distributed_norm.weight, distributed_norm.bias, eps=1e-6))
+
+
+def test_output_layer_on_its_own_and_the_distributed_module_base():
+    torch.manual_seed(0)
+    mlp = smp_nn.DistributedTransformerOutputLayer(
+        hidden_size=16, intermediate_size=32, hidden_dropout_prob=0.0, activation="relu",
+        pre_layernorm=True, post_layernorm=False)
+    ref = RefOutput(16, 32, "relu", pre=True, post=False)
+    ref.load_state_dict(mlp.state_dict())  # the same names: strict
+    hidden = torch.randn(2, 5, 16)
+    torch.testing.assert_close(mlp(hidden), ref(hidden), **TOL)
+
+    class Scale(smp_nn.DistributedModule):  # a user's own module on SMP's base class
+        def __init__(self):
+            super().__init__()
+            self.factor = nn.Parameter(torch.tensor(3.0))
+
+        def forward(self, x):
+            return x * self.factor
+
+    scale = Scale()
+    assert torch.equal(scale(torch.ones(2)), torch.full((2,), 3.0))
+    assert [n for n, _ in scale.named_parameters()] == ["factor"]
+    assert Scale.can_distribute(4, hidden=8) is True  # SMP's hook: any arguments split
+    assert scale.can_shard_activation_offloading() is False
+    assert isinstance(mlp, smp_nn.DistributedModule)
 
 
 def test_arguments_are_checked(caplog):
