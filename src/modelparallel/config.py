@@ -6,6 +6,7 @@ a bad configuration fails everywhere at once with the same message.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -178,8 +179,10 @@ class Config:
         """
         environ = os.environ if environ is None else environ
         data = source.to_dict() if isinstance(source, Config) else read_source(source)
-        script = normalise(data, origin="configuration")
-        launcher = normalise(read_launcher_config(environ), origin="MP_CONFIG")
+        unknown: list[tuple[str, str]] = []  # listed beside the values' problems
+        script = normalise(data, origin="configuration", problems=unknown)
+        launcher = normalise(read_launcher_config(environ), origin="MP_CONFIG",
+                             problems=unknown)
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         changed = {k: (script.get(k, defaults[k]), v) for k, v in launcher.items()
                    if script.get(k, defaults[k]) != v}
@@ -191,7 +194,12 @@ class Config:
                            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         merged = {**script, **launcher}
         config = cls(**merged)
-        config._check_values(warn=rank0)
+        try:
+            config._check_values(warn=rank0 and not unknown)
+        except ConfigError as e:
+            raise ConfigError(unknown + e.problems) from None
+        if unknown:
+            raise ConfigError(unknown)
         given = source.explicit if isinstance(source, Config) else script.keys()
         object.__setattr__(config, "_explicit", frozenset(given) | frozenset(launcher))
         return config
@@ -267,9 +275,14 @@ class Config:
             msg = config_keys.check_value(f, getattr(self, f.name))
             if msg:
                 problems.append((f.name, msg))
-        if problems:  # combinations only make sense on well-typed values
-            raise ConfigError(problems)
-        problems.extend(self._check_combinations())
+        # combinations only make sense on well-typed values: check them with the
+        # defaults in place of the bad values, and keep those that name no bad key
+        bad = {name for name, _ in problems}
+        checked = copy.copy(self)
+        for name in bad:
+            object.__setattr__(checked, name, Config.__dataclass_fields__[name].default)
+        problems.extend((name, msg) for name, msg in checked._check_combinations()
+                        if name not in bad and not any(b in msg for b in bad))
         if problems:
             raise ConfigError(problems)
         for f in dataclasses.fields(self):
@@ -331,6 +344,8 @@ _NOT_BUILT = {f.name: f.metadata["not_built"] for f in dataclasses.fields(Config
               if f.metadata["not_built"]}
 
 
-def normalise(data: dict[str, Any], origin: str) -> dict[str, Any]:
-    """Resolve aliases, reject unknown keys with suggestions, coerce integral floats."""
-    return config_keys.normalise(data, origin, Config.__dataclass_fields__, ALIASES)
+def normalise(data: dict[str, Any], origin: str,
+              problems: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """Resolve aliases, reject unknown keys with suggestions, coerce integral floats
+    (with ``problems``: unknown keys are added to it instead of raised)."""
+    return config_keys.normalise(data, origin, Config.__dataclass_fields__, ALIASES, problems)

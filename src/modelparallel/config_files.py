@@ -31,13 +31,35 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
                     raise
                 data = _yaml_load(text)
     except Exception as e:
-        raise ConfigError([("configuration", f"cannot parse {str(p)!r}: {e}")]) from None
+        raise ConfigError([("configuration", f"cannot parse {_where(p, e)}: "
+                                             f"{_parse_problem(e)}")]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError([("configuration", f"{str(p)!r} holds a {type(data).__name__}; "
                                              f"expected a mapping of keys to values")])
     return unwrap(data)
+
+
+def _where(path: Path, error: Exception) -> str:
+    """The file, and the line and column a JSON or YAML parser stopped at."""
+    mark = getattr(error, "problem_mark", None)  # YAML's
+    if mark is not None:
+        return f"{str(path)!r}, line {mark.line + 1}, column {mark.column + 1}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"{str(path)!r}, line {error.lineno}, column {error.colno}"
+    return repr(str(path))
+
+
+def _parse_problem(error: Exception) -> str:
+    """What the parser found wrong, without its own idea of where (it names no file)."""
+    if isinstance(error, json.JSONDecodeError):
+        return error.msg
+    problem = getattr(error, "problem", None)
+    if problem is None:
+        return str(error)
+    context = getattr(error, "context", None)
+    return f"{problem} ({context})" if context else str(problem)
 
 
 def _yaml_load(text: str) -> Any:

@@ -64,10 +64,17 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 
 def normalise(data: dict[str, Any], origin: str, fields: Mapping[str, dataclasses.Field],
-              aliases: Mapping[str, str]) -> dict[str, Any]:
-    """Resolve aliases, reject unknown keys with suggestions, coerce integral floats."""
+              aliases: Mapping[str, str],
+              problems: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """Resolve aliases, reject unknown keys with suggestions, coerce integral floats.
+
+    With a ``problems`` list, unknown and conflicting keys are added to it and left out
+    of the result (so the caller can report them beside the other problems); without
+    one they raise a ConfigError.
+    """
     names = list(fields)
-    problems = []
+    collect = problems is not None
+    problems = problems if problems is not None else []
     out: dict[str, Any] = {}
     given_as: dict[str, str] = {}  # canonical name -> the key it was first given as
     for key, value in data.items():
@@ -86,7 +93,7 @@ def normalise(data: dict[str, Any], origin: str, fields: Mapping[str, dataclasse
             continue
         given_as.setdefault(name, key)
         out[name] = _coerce(fields[name], value)
-    if problems:
+    if problems and not collect:
         raise ConfigError(problems)
     return out
 

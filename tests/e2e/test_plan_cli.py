@@ -90,3 +90,42 @@ def test_bad_input_gets_one_clear_line(modelparallel, tmp_path):
     assert ran.code == 2, ran.all
     assert f"{model}:5: n = int(idx.max())" in ran.err and "cannot know" in ran.err, ran.err
     assert "Traceback" not in ran.err
+
+
+def test_search_lists_a_layout_the_batch_cannot_split_and_ranks_the_others(modelparallel):
+    # pp 2 needs 2 microbatches; a batch of 1 row does not split into them
+    ran = modelparallel("plan", "--model", MODEL, "--batch-size", 1, "--seq-len", 16,
+                        "--world-size", 2, "--memory-per-device", "80G")
+    assert ran.code == 0, ran.all
+    assert "Traceback" not in ran.err and "[rank" not in ran.all, ran.err
+    rows = ran.out.splitlines()
+    head = next(i for i, line in enumerate(rows) if line.startswith("layout"))
+    table = rows[head + 1:head + 5]
+    assert table[-1].split() == [
+        "pp", "2,", "tp", "1,", "hybrid_shard", "1,", "mb", "2", "-", "-", "not", "possible:",
+        "a", "batch", "of", "1", "rows", "per", "rank", "does", "not", "split", "into",
+        "microbatches=2", "equal", "parts"], ran.out
+    assert all("not possible" not in row for row in table[:3]), ran.out
+    assert "best: pp 1" in ran.out and "among the 3 layouts that fit" in ran.out, ran.out
+
+
+def test_bad_option_values_get_one_line_and_exit_2(modelparallel):
+    for option, value, accepted in [
+            ("--memory-per-device", "lots", "with an optional suffix K, M, G or T"),
+            ("--world-size", "0", "give a whole number >= 1")]:
+        args = {"--world-size": "2", "--memory-per-device": "1G", option: value}
+        ran = modelparallel("plan", *WORKLOAD, *[a for kv in args.items() for a in kv])
+        assert ran.code == 2, ran.all
+        assert ran.err.count("\n") == 1, ran.err
+        assert ran.err.startswith(f"modelparallel plan: {option} ") and value in ran.err, ran.err
+        assert accepted in ran.err, ran.err
+
+
+def test_check_config_prints_ok_only_when_the_plan_works_too(modelparallel, tmp_path):
+    config = tmp_path / "layout.json"
+    config.write_text(json.dumps({"tensor_parallel_degree": 2}))
+    ran = modelparallel("check-config", config, "--world-size", 2, "--model", MODEL)
+    assert ran.code == 2, ran.all
+    assert ran.out == "", "no OK before the error"
+    assert ran.err == ("modelparallel check-config: the planner needs --batch-size and "
+                       "--seq-len\n"), ran.err

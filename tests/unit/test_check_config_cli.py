@@ -203,3 +203,30 @@ def test_console_script(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"{path}: OK (3 keys set)" in proc.stdout
     assert "layout: 4 ranks: dp_replicate=1 x dp_shard=1 x pp=2 x tp=2" in proc.stdout
+
+
+def test_every_problem_is_listed_at_once(capsys, tmp_path):
+    path = tmp_path / "mp.yaml"
+    path.write_text("tensor_paralel_degree: 2\ncollective_timeout: -5\nmicrobatches: '4'\n")
+    code, out, err = check_config(capsys, str(path))
+    assert (code, out) == (1, "")
+    assert err.splitlines() == [
+        f"{path}: invalid modelparallel configuration:",
+        f"  - tensor_paralel_degree: unknown key in {path}; did you mean "
+        "'tensor_parallel_degree' or 'tensor_parallel_seed' or 'expert_parallel_degree'?",
+        "  - microbatches: '4' has type str; expected int",
+        "  - collective_timeout: -5 is out of range; must be > 0 and finite (seconds)"]
+
+
+@pytest.mark.parametrize("name, text, where, problem", [
+    ("mp.yaml", "microbatches: 4\n  pipeline: simple\n", "line 2, column 11",
+     "mapping values are not allowed here"),
+    ("mp.json", '{"microbatches": 4,\n "pipeline" "simple"}\n', "line 2, column 13",
+     "Expecting ':' delimiter")])
+def test_a_parse_error_names_the_file_and_line(capsys, tmp_path, name, text, where, problem):
+    path = tmp_path / name
+    path.write_text(text)
+    code, out, err = check_config(capsys, str(path))
+    assert (code, out) == (1, "")
+    assert err.splitlines()[1] == f"  - configuration: cannot parse '{path}', {where}: {problem}"
+    assert "<unicode string>" not in err

@@ -5,6 +5,7 @@ an atomic commit (the checkpoint appears under its name only once complete)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import os
 import time
@@ -86,10 +87,22 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike,
         guard.check_every_rank_calls(f"mp.checkpoint.save({os.fspath(checkpoint_id)!r})", ctx)
     location, name = _split(checkpoint_id)
     tmp = temporary_name(name, None if no_dist else process_group)
-    metadata = run_dcp(torch_dcp.save, state_dict, storage_writer=writer_for(location.url(tmp)),
-                       planner=planner, process_group=process_group, no_dist=no_dist)
-    commit_directory(location, tmp, name, process_group, no_dist)
+    try:
+        metadata = run_dcp(torch_dcp.save, state_dict,
+                           storage_writer=writer_for(location.url(tmp)), planner=planner,
+                           process_group=process_group, no_dist=no_dist)
+        commit_directory(location, tmp, name, process_group, no_dist)
+    except BaseException:
+        discard(location, tmp)
+        raise
     return metadata
+
+
+def discard(location: Location, tmp: str) -> None:
+    """Remove what a failed save wrote (a full disk must not stay full); every rank
+    tries, and one that finds it gone already goes on."""
+    with contextlib.suppress(OSError):
+        location.remove(tmp)
 
 
 def commit_directory(location: Location, tmp: str, name: str, process_group=None,
@@ -209,10 +222,14 @@ def _finish_async(inner: concurrent.futures.Future, what: str,
                   after: Callable[[], None] | None) -> None:
     try:
         inner.result()
+        if commit is not None:
+            commit_directory(*commit, group)
     except (Exception, torch_dcp.CheckpointException) as e:
+        if commit is not None:
+            discard(*commit[:2])
+        if isinstance(e, CheckpointError):
+            raise
         raise CheckpointError(f"async_save to {what} failed: {_first_failure(e)}") from e
-    if commit is not None:
-        commit_directory(*commit, group)
     if after is not None:
         after()
 

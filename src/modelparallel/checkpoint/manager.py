@@ -10,9 +10,12 @@ A checkpoint is the directory ``PATH/TAG``:
 - ``rng/rank<N>.pt``: each rank's random number generators.
 
 It is written as ``PATH/.tmp-TAG-...``, renamed to ``PATH/TAG`` once every rank has
-finished, and only then named in ``PATH/newest``. A crash at any point leaves the
-previous checkpoints as they were; leftover temporary directories are removed by the
-next save. Everything is read back without unpickling arbitrary objects.
+finished, and only then named in ``PATH/newest``. ``checkpoint.json``, written last,
+lists every file with its size: a checkpoint whose files changed since is damaged and
+never resumed from (``tags.py``). A crash at any point leaves the previous checkpoints
+as they were; a save that fails (a full disk) removes what it wrote, and directories
+left by a killed save are removed by the next save. Everything is read back without
+unpickling arbitrary objects.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -29,6 +33,7 @@ from torch import nn
 from modelparallel.checkpoint import full, guard, states
 from modelparallel.checkpoint import user_content as user_content_codec
 from modelparallel.checkpoint.dcp import (
+    discard,
     on_coordinator,
     replace_directory,
     run_dcp,
@@ -41,12 +46,18 @@ from modelparallel.checkpoint.storage import (
     reader_for,
     writer_for,
 )
+from modelparallel.checkpoint.tags import (
+    MANIFEST,
+    NEWEST,
+    committed_tags,
+    intact_tags,
+    newest,
+    read_manifest,
+)
 from modelparallel.context import ParallelContext
 
 logger = logging.getLogger("modelparallel")
 
-NEWEST = "newest"
-MANIFEST = "checkpoint.json"
 SHARDED = "sharded"
 SMALL_STATE = "state.pt"
 FORMAT = "modelparallel-checkpoint/1"
@@ -92,38 +103,50 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True,
 
     on_coordinator(prepare)
     tmp = temporary_name(tag)
-    rank = dist.get_rank()
-    location.write_bytes(states.check_safe("rng", states.rng_state()), tmp, "rng",
-                         f"rank{rank}.pt")
-    manifest = {"format": FORMAT, "tag": tag, "partial": partial, "step": step,
-                "world_size": dist.get_world_size(), "layout": ctx.topology.describe(),
-                "model": module is not None, "optimizer": optim is not None}
-    if partial:
-        sd: dict[str, Any] = {}
-        if module is not None:
-            sd["model"] = states.model_state(module, dm)
-        if module is not None and optim is not None:
-            sd["optimizer"] = states.optimizer_state(module, optim)
-        run_dcp(torch_dcp.save, sd, storage_writer=writer_for(location.url(tmp, SHARDED)),
-                context=f"writing checkpoint {location.url(tag)} failed")
-    else:
-        model_sd, optim_sd = full.gather(module, optim, dm) if module is not None else ({}, {})
-        if rank == 0 and module is not None:
-            written = full.write(location, tmp, module, model_sd, optim_sd)
-            manifest["tied"] = written["tied"]
-            small["optimizer_values"] = written["optimizer_values"]
-            small_bytes = states.check_safe("optimizer settings", small)
+    try:
+        manifest = {"format": FORMAT, "tag": tag, "partial": partial, "step": step,
+                    "world_size": dist.get_world_size(), "layout": ctx.topology.describe(),
+                    "model": module is not None, "optimizer": optim is not None}
+        failed = f"writing checkpoint {location.url(tag)} failed"
+        rank = dist.get_rank()
+        # every rank learns of any rank's failure before the next collective (no hang)
+        _agree(_attempt(failed, lambda: location.write_bytes(
+            states.check_safe("rng", states.rng_state()), tmp, "rng", f"rank{rank}.pt")))
+        problem = None
+        if partial:
+            sd: dict[str, Any] = {}
+            if module is not None:
+                sd["model"] = states.model_state(module, dm)
+            if module is not None and optim is not None:
+                sd["optimizer"] = states.optimizer_state(module, optim)
+            run_dcp(torch_dcp.save, sd, storage_writer=writer_for(location.url(tmp, SHARDED)),
+                    context=failed)
+        else:
+            model_sd, optim_sd = full.gather(module, optim, dm) if module is not None else \
+                ({}, {})
+            if rank == 0 and module is not None:
+                def write_full() -> None:
+                    nonlocal small_bytes
+                    written = full.write(location, tmp, module, model_sd, optim_sd)
+                    manifest["tied"] = written["tied"]
+                    small["optimizer_values"] = written["optimizer_values"]
+                    small_bytes = states.check_safe("optimizer settings", small)
+                problem = _attempt(failed, write_full)
 
-    def commit() -> None:
-        location.write_bytes(small_bytes, tmp, SMALL_STATE)
-        manifest["saved_at"] = time.time()
-        location.write_json(manifest, tmp, MANIFEST)
-        replace_directory(location, tmp, tag)
-        location.write_atomically(tag, NEWEST)
-        _rotate(location, num_kept_partial_checkpoints, keep=tag)
+        def commit() -> None:
+            location.write_bytes(small_bytes, tmp, SMALL_STATE)
+            manifest["files"] = location.file_sizes(tmp)  # checked on resume: see tags.py
+            manifest["saved_at"] = time.time()
+            location.write_json(manifest, tmp, MANIFEST)
+            replace_directory(location, tmp, tag)
+            location.write_atomically(tag, NEWEST)
+            _rotate(location, num_kept_partial_checkpoints, keep=tag)
 
-    dist.barrier()  # every rank's files are written (with no model, nothing else waits)
-    on_coordinator(commit)
+        _agree(problem)  # every rank's files are written (also a barrier)
+        on_coordinator(commit)
+    except BaseException:
+        discard(location, tmp)  # a failed save (a full disk) must not keep its space
+        raise
     if rank == 0:
         logger.info("checkpoint %s saved (%s)", location.url(tag),
                     "sharded" if partial else "full")
@@ -185,26 +208,6 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None,
     return user_content_codec.decode(small["user_content"])
 
 
-def newest(path: str | os.PathLike, *, required: bool = False) -> str | None:
-    """The tag of the newest complete checkpoint under ``path``, or None if there is none
-    (a CheckpointError instead when ``required``)."""
-    location = Location(path)
-    if not location.exists(NEWEST):
-        if required:
-            raise CheckpointError(f"no checkpoint to resume from at {os.fspath(path)!r}: it has "
-                                  f"no '{NEWEST}' file (no checkpoint was completed there); "
-                                  f"check the path, or start from scratch")
-        return None
-    tag = location.read_text(NEWEST).strip()
-    if not location.exists(tag, MANIFEST):
-        what = "is incomplete" if location.exists(tag) else "does not exist"
-        raise CheckpointError(f"{location.url(NEWEST)} names checkpoint {tag!r}, but "
-                              f"{location.url(tag)} {what}; pass tag= one of "
-                              f"{committed_tags(location) or 'none'}, or "
-                              f"remove the '{NEWEST}' file to start from scratch")
-    return tag
-
-
 def info(path: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
     """What ``path/tag`` (default: the newest) records: tag, step, partial, world_size,
     layout, saved_at."""
@@ -215,18 +218,6 @@ def _newest_tag(path: str | os.PathLike) -> str:
     tag = newest(path, required=True)
     assert tag is not None  # required: a CheckpointError otherwise
     return tag
-
-
-def committed_tags(location: Location) -> list[str]:
-    """Complete checkpoints under ``location``, oldest first."""
-    found = []
-    for name in location.children():
-        if not name.startswith(".") and name != NEWEST and location.exists(name, MANIFEST):
-            try:
-                found.append((location.read_json(name, MANIFEST)["saved_at"], name))
-            except (ValueError, KeyError):
-                continue
-    return [name for _, name in sorted(found)]
 
 
 # -- helpers -------------------------------------------------------------------------
@@ -254,6 +245,17 @@ def _remove_leftovers(location: Location) -> None:
             location.remove(name)
 
 
+def _attempt(failed: str, write: Callable[[], None]) -> str | None:
+    """Run ``write``; what went wrong (None: nothing), for :func:`_agree`."""
+    try:
+        write()
+    except CheckpointError as e:
+        return str(e)
+    except Exception as e:
+        return f"{failed}: {type(e).__name__}: {e}"
+    return None
+
+
 def _rotate(location: Location, keep_last: int | None, keep: str) -> None:
     if not keep_last:
         return
@@ -272,20 +274,7 @@ def _read(location: Location, tag: str, name: str) -> bytes:
 
 
 def _manifest(location: Location, tag: str) -> dict[str, Any]:
-    if not location.exists(tag):
-        raise CheckpointError(f"checkpoint {location.url(tag)} does not exist; complete "
-                              f"checkpoints there: {committed_tags(location) or 'none'}")
-    try:
-        manifest = location.read_json(tag, MANIFEST)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{location.url(tag)} is not a complete checkpoint (no "
-                              f"{MANIFEST})") from e
-    except ValueError as e:
-        raise CheckpointError(f"{location.url(tag, MANIFEST)} is damaged: {e}") from e
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{location.url(tag)} is not a modelparallel checkpoint "
-                              f"(format {manifest.get('format')!r})")
-    return manifest
+    return read_manifest(location, tag, FORMAT)
 
 
 def _agree(problem: str | None) -> None:
@@ -327,7 +316,7 @@ def _load_sharded(location: Location, tag: str, module, optim, dm, strict: bool)
     run_dcp(torch_dcp.load, sd, storage_reader=reader_for(url),
             context=f"reading checkpoint {location.url(tag)} failed: its files are truncated "
                     f"or damaged; resume from another tag (complete ones: "
-                    f"{committed_tags(location)})",
+                    f"{[t for t in intact_tags(location) if t != tag] or 'none'})",
             planner=SafeLoadPlanner(allow_partial_load=not strict))
     states.set_model_state(module, sd["model"], strict=strict and dm is None)
     if optim is not None:

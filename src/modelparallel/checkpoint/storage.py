@@ -60,6 +60,13 @@ class Location:
             return []
         return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(self._p(), detail=False))
 
+    def file_sizes(self, *parts: str) -> dict[str, int]:
+        """Size of every file below ``parts``, by its path relative to it."""
+        root = self._p(*parts).rstrip("/")
+        found = self.fs.find(root, detail=True)
+        return {path[len(root) + 1:]: int(entry["size"]) for path, entry in found.items()
+                if entry.get("type") != "directory"}
+
     def read_text(self, *parts: str) -> str:
         with self.fs.open(self._p(*parts), "r") as f:
             return f.read()

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 
 from modelparallel.config import ALIASES, Config, ConfigError
 from modelparallel.launch.run import RunOptions, load_config_file, run
@@ -68,7 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_config(file: str | None, world_size: int | None, list_keys: bool) -> int:
+def check_config(file: str | None, world_size: int | None, list_keys: bool,
+                 plan: Callable[[], str | None] | None = None) -> int:
+    """``modelparallel check-config``: OK (and the keys) only when every check passed;
+    ``plan`` (for ``--model``) returns the plan's text, or None after printing why not."""
     if list_keys:
         print(describe_keys())
         if file is None:
@@ -82,22 +86,26 @@ def check_config(file: str | None, world_size: int | None, list_keys: bool) -> i
     except ConfigError as e:
         print(f"{file}: {e}", file=sys.stderr)
         return 1
+    planned = plan() if plan is not None else ""
+    if planned is None:
+        return 2
     print(f"{file}: OK ({len(explicit)} keys set)")
     if topology is not None:
         print(f"layout: {topology.describe()}")
     print(json.dumps({k: getattr(config, k) for k in explicit}, indent=2))
+    if planned:
+        print(planned)
     return 0
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
-        code = check_config(args.file, args.world_size, args.list)
-        if code == 0 and args.model is not None:
-            from modelparallel.plan.cli import plan_for_check_config
+        from modelparallel.plan.cli import plan_for_check_config
 
-            code = plan_for_check_config(args)
-        sys.exit(code)
+        sys.exit(check_config(args.file, args.world_size, args.list,
+                              None if args.model is None else
+                              lambda: plan_for_check_config(args)))
     if args.command == "report":
         sys.exit(report(args.run_dir))
     if args.command == "plan":

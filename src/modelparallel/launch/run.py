@@ -28,6 +28,7 @@ import modelparallel_compat
 from modelparallel import doctor
 from modelparallel.config import Config, normalise
 from modelparallel.config_files import read_config_file
+from modelparallel.errors import ConfigError
 from modelparallel.launch.run_dir import keep_run_directory
 from modelparallel.launch.worker import COLLECTIVE_TIMEOUT
 from modelparallel.topology import check_world
@@ -57,8 +58,15 @@ class RunOptions:
 def load_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], Config]:
     """A configuration file on its own (``MP_CONFIG`` ignored): the keys it sets, with
     aliases resolved, and the checked Config."""
-    explicit = normalise(read_config_file(path), origin=str(path))
-    return explicit, Config.load(explicit, environ={})
+    unknown: list[tuple[str, str]] = []  # listed beside the values' problems
+    explicit = normalise(read_config_file(path), origin=str(path), problems=unknown)
+    try:
+        config = Config.load(explicit, environ={})
+    except ConfigError as e:
+        raise ConfigError(unknown + e.problems) from None
+    if unknown:
+        raise ConfigError(unknown)
+    return explicit, config
 
 
 def default_nproc_per_node() -> int:

@@ -81,23 +81,34 @@ def load_factory(spec: str) -> ModelFactory:
 
 
 def parse_bytes(text: str) -> int:
+    """``80G``, ``1.5M``, ``512KiB``, ``1073741824`` -> bytes; a PlanError naming the
+    option otherwise."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    number = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = units.get(number[-1:], 1)
+    try:
+        value = int(float(number[:-1] if scale > 1 else number) * scale)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise PlanError(f"--memory-per-device {text!r} is not a size; give a positive number "
+                        f"of bytes, with an optional suffix K, M, G or T (powers of 1024), "
+                        f"e.g. 80G")
+    return value
 
 
 def main(args: argparse.Namespace) -> int:
     try:
+        memory = parse_bytes(args.memory_per_device) if args.memory_per_device is not None \
+            else None
         config = _read_config(args.config)
         work = workload_from(args, config, args.world_size)
         device = PROFILES[args.device_profile] if args.device_profile else measure_here()
-        if args.memory_per_device is not None:
+        if memory is not None:
             from modelparallel.plan.search import search
             from modelparallel.plan.table import ranking
 
-            found = search(work, device, parse_bytes(args.memory_per_device))
+            found = search(work, device, memory)
             print(json.dumps([c.__dict__ | {"plan": c.plan.as_dict() if c.plan else None,
                                             "estimate": c.estimate.as_dict() if c.estimate
                                             else None} for c in found], indent=1)
@@ -114,8 +125,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
 
-def plan_for_check_config(args: argparse.Namespace) -> int:
-    """``check-config FILE --model ... --world-size N``: the plan of FILE's layout."""
+def plan_for_check_config(args: argparse.Namespace) -> str | None:
+    """``check-config FILE --model ... --world-size N``: the plan of FILE's layout, or
+    None after printing why there is none."""
     try:
         if args.world_size is None or args.file is None:
             raise PlanError("--model needs a configuration FILE and --world-size")
@@ -124,14 +136,18 @@ def plan_for_check_config(args: argparse.Namespace) -> int:
         estimate = estimate_step(plan.ranks, measure_here(),
                                  config.get("pipeline_parallel_degree", 1),
                                  config.get("microbatches", 1))
-        print(describe(plan, estimate))
-        return 0
+        return describe(plan, estimate)
     except (PlanError, ConfigError) as error:
         print(f"modelparallel check-config: {error}", file=sys.stderr)
-        return 2
+        return None
 
 
 def workload_from(args: argparse.Namespace, config: dict[str, Any], world_size: int) -> Workload:
+    """What ``args`` say is trained on ``world_size`` processes (PlanError: bad input)."""
+    for option, value in (("--world-size", world_size), ("--batch-size", args.batch_size),
+                          ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise PlanError(f"{option} {value} is not possible; give a whole number >= 1")
     missing = [f"--{n.replace('_', '-')}" for n in ("batch_size", "seq_len")
                if getattr(args, n) is None]
     if missing:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from modelparallel.config import Config, ConfigError
+from modelparallel.data import BatchSizeError
 from modelparallel.plan import JobPlan, PlanError, plan_job
 from modelparallel.plan.device_model import DeviceModel
 from modelparallel.plan.estimate import StepEstimate, estimate_step
@@ -55,6 +56,10 @@ def search(work: Workload, device: DeviceModel, memory_per_device: int) -> list[
     found = []
     for config in layouts(work.world_size, work.config):
         candidate = Candidate(config)
+        found.append(candidate)
+        candidate.refused = _unsplittable(work, config)
+        if candidate.refused:  # not simulated: a step that raises leaves collectives behind
+            continue
         try:
             topology = Topology.from_config(Config.load(config, environ={}), work.world_size)
             firsts = [r for r in range(work.world_size)
@@ -67,9 +72,21 @@ def search(work: Workload, device: DeviceModel, memory_per_device: int) -> list[
                                      f"{human_bytes(memory_per_device)} per device")
         except (ConfigError, PlanError) as error:
             candidate.refused = str(error).splitlines()[0]
-        found.append(candidate)
+        except BatchSizeError as error:  # e.g. more microbatches than the batch has rows
+            candidate.refused = f"not possible: {str(error).split(';')[0]}"
     return sorted(found, key=lambda c: (c.refused is not None,
                                         c.estimate.step_s if c.estimate else 0.0))
+
+
+def _unsplittable(work: Workload, config: dict[str, Any]) -> str | None:
+    """Why the batch cannot be split into the layout's microbatches (None: it can).
+    A tensor-parallel group may concatenate its ranks' batches: a batch that does not
+    split even then does not split at all."""
+    microbatches = config.get("microbatches", 1)
+    if work.batch_size * config.get("tensor_parallel_degree", 1) % microbatches:
+        return (f"not possible: a batch of {work.batch_size} rows per rank does not split "
+                f"into microbatches={microbatches} equal parts")
+    return None
 
 
 def human_bytes(n: float) -> str:

@@ -43,7 +43,8 @@ def ranking(found: list[Candidate], device: DeviceModel) -> str:
     for c in found:
         est = f"{c.estimate.step_s * 1e3:.1f}" if c.estimate else "-"
         note = c.refused or ""
-        rows.append(f"{_degrees(c.config):44}  {mib(c.peak_bytes):>10}  {est:>12}  {note}")
+        peak = mib(c.peak_bytes) if c.plan else "-"
+        rows.append(f"{_degrees(c.config):44}  {peak:>10}  {est:>12}  {note}".rstrip())
     if fitting:
         best = fitting[0]
         assert best.estimate is not None
