@@ -18,6 +18,7 @@ from typing import Any
 from modelparallel import config_keys, schedule_rules
 from modelparallel.config_files import read_launcher_config, read_source
 from modelparallel.errors import ConfigError
+from modelparallel.notices import notice
 
 logger = logging.getLogger("modelparallel")
 
@@ -287,8 +288,8 @@ class Config:
             raise ConfigError(problems)
         for f in dataclasses.fields(self):
             if warn and f.metadata["no_effect"] and getattr(self, f.name) != f.default:
-                logger.warning("%s=%r has no effect in modelparallel: %s",
-                               f.name, getattr(self, f.name), f.metadata["no_effect"])
+                notice("%s=%r has no effect in modelparallel: %s",
+                       f.name, getattr(self, f.name), f.metadata["no_effect"])
 
     def _check_combinations(self) -> list[tuple[str, str]]:
         problems = []

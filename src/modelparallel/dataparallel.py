@@ -19,7 +19,6 @@ CPU; see :mod:`modelparallel.smp.smddp`), and a later ``mp.init()`` uses that gr
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -39,11 +38,11 @@ from torch.distributed import (  # noqa: F401 - re-exported for ported scripts
     reduce,
 )
 
+from modelparallel.notices import notice
 from modelparallel.smp.appliers import replicate
 from modelparallel.smp.smddp import ReduceOp, all_reduce, register_backend  # noqa: F401
 from modelparallel.smp.state import init, state
 
-logger = logging.getLogger("modelparallel")
 register_backend()  # torch_smddp's import side effect: backend="smddp" works
 
 
@@ -85,8 +84,8 @@ def DistributedDataParallel(module: nn.Module, device_ids: list[Any] | None = No
     """
     init_process_group()
     if state.device.type == "cpu" and (device_ids is not None or output_device is not None):
-        logger.info("DistributedDataParallel: device_ids/output_device have no effect on "
-                    "CPU: the model trains on the CPU")
+        notice("DistributedDataParallel: device_ids/output_device have no effect on "
+               "CPU: the model trains on the CPU")
         device_ids = output_device = None
     if device_ids is not None:
         kwargs["device_ids"] = device_ids

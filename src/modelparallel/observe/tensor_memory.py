@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import sys
 import tempfile
 import weakref
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -14,6 +17,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 _CPU_DEVICE_TYPE = 0  # "Device Type" of a CPU "[memory]" event in the profiler's trace
+# Kineto's log level is read once, when its first profiler starts; 6 is above its
+# "USDT" level (5), whose profiler_start/profiler_stop lines it prints on every start.
+_KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL"
+_KINETO_QUIET = "6"
+_UNKNOWN_FREE_WARNING = b"Memory block of unknown size"
+_allocator_warning_spent = False  # whether this process's first such warning was taken
 
 
 class PeakTensorMemory:
@@ -50,7 +59,8 @@ class PeakTensorMemory:
     allocated again (then subtracted at that point) or at exit: ``unseen_free_bytes``
     sums those, and ``exact`` is False when it is not 0, in which case ``peak_bytes``
     is an upper bound (the bytes are taken as freed as late as possible). The C++
-    allocator logs a warning ("Memory block of unknown size ...") for such frees.
+    allocator logs a warning ("Memory block of unknown size ...") for the first such free
+    and every 1000th after; the first is taken by a free of this probe's own, silently.
 
     Profiling slows the block (each op is recorded); the scan at entry walks every
     Python object.
@@ -95,7 +105,11 @@ class PeakTensorMemory:
         self.start_bytes = sum(self._start.values())
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              record_shapes=False, with_stack=False)
-        self._prof.__enter__()
+        spare = [] if _allocator_warning_spent else [torch.empty(1)]
+        with _kineto_quiet():
+            self._prof.__enter__()
+        if spare:
+            _spend_allocator_warning(spare)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -139,6 +153,47 @@ class PeakTensorMemory:
             current -= self._start[addr]
             unseen += self._start[addr]
         return peak, current, unseen, len(events)
+
+
+@contextlib.contextmanager
+def _kineto_quiet() -> Iterator[None]:
+    """Kineto at its log level above "USDT" if it starts here (unless the user set one);
+    the environment is restored after, so child processes are not affected."""
+    if _KINETO_LOG_LEVEL in os.environ:
+        yield
+        return
+    os.environ[_KINETO_LOG_LEVEL] = _KINETO_QUIET
+    try:
+        yield
+    finally:
+        os.environ.pop(_KINETO_LOG_LEVEL, None)
+
+
+def _spend_allocator_warning(spare: list[torch.Tensor]) -> None:
+    """Free the tensor in ``spare`` (allocated before the profiler started), stderr captured.
+
+    c10's CPU allocator logs "Memory block of unknown size ..." for the 1st, 1001st, ...
+    free of a block allocated before a memory profiler started: frees this probe expects
+    and accounts for (see the class docstring). No API sets c10's log level after torch
+    is imported, so the first such free is made here, once per process, and its line is
+    dropped; anything else written to stderr meanwhile (other threads) is passed on.
+    """
+    global _allocator_warning_spent
+    _allocator_warning_spent = True
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as captured:
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            spare.clear()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        other = [line for line in captured.read().splitlines(keepends=True)
+                 if _UNKNOWN_FREE_WARNING not in line]
+    if other:
+        os.write(2, b"".join(other))
 
 
 def live_cpu_storages(refs: dict[int, tuple[weakref.ref[Any], int]] | None = None

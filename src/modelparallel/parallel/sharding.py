@@ -121,8 +121,8 @@ def shard(model: nn.Module, ctx: ParallelContext, *, blocks: BlockSpec = None,
         materialize = delayed_init.Materializer(model, ctx, param_init_fn)
     else:
         if param_init_fn is not None and ctx.rank == 0:
-            logger.info("mp.shard(param_init_fn=...) has no effect: no parameter is on the "
-                        "meta device")
+            logger.warning("mp.shard(param_init_fn=...) has no effect: no parameter is on "
+                           "the meta device")
         replicas.synchronize(model, ctx)
     units = find_blocks(model, blocks)
     if not units and ctx.rank == 0:

@@ -36,7 +36,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     if cp_comm_type not in ("p2p", "all_gather"):
         raise ValueError(f"cp_comm_type={cp_comm_type!r}; SMP accepts 'p2p' or 'all_gather'")
     if cp_comm_type != "p2p" and ctx.rank == 0:
-        logger.info("transform(cp_comm_type=%r) has no effect: context parallelism is not "
+        logger.warning("transform(cp_comm_type=%r) has no effect: context parallelism is not "
                     "built (context_parallel_degree is 1)", cp_comm_type)
     before = dict(model.named_parameters())
     model = splitting.transform(model, ctx, sequence_parallel=sequence_parallel,

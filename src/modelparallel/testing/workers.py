@@ -99,7 +99,12 @@ def _process_context() -> Any:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["modelparallel", "transformers"])  # missing ones are skipped
+    # missing ones are skipped; the package imports its API lazily (at the first use of
+    # a name), so its heavy modules are named
+    ctx.set_forkserver_preload([
+        "modelparallel", "modelparallel.smp.state", "modelparallel.smp.appliers",
+        "modelparallel.smp.v1.distributed_model", "modelparallel.smp.checkpoints",
+        "modelparallel.models", "transformers"])
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # read by the server's imports (OpenMP, BLAS)
     try:

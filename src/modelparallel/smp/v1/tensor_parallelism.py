@@ -42,7 +42,7 @@ def no_effect(where: str, options: dict[str, Any]) -> None:
     marked for tensor parallelism (``model_creation(tensor_parallelism=False)``)."""
     set_options = given(where, options)
     if set_options and state.rank == 0:
-        logger.info("%s(%s) has no effect: the options are arguments of the smp.nn modules "
+        logger.warning("%s(%s) has no effect: the options are arguments of the smp.nn modules "
                     "that replace modules marked for tensor parallelism, and none are marked "
                     "here", where, _listed(set_options))
 
@@ -54,7 +54,7 @@ def in_place(modules: list[nn.Module]) -> None:
         options.update(lookup(module, "tp_options", {}))
     if options and state.rank == 0:
         names = sorted({type(m).__name__ for m in modules})
-        logger.info("smp.tensor_parallelism(%s) has no effect on %s: split in place by a "
+        logger.warning("smp.tensor_parallelism(%s) has no effect on %s: split in place by a "
                     "tensor-parallel plan, they keep their own computation (SMP's options "
                     "apply to the smp.nn modules that replace GPT-2 or registered classes)",
                     _listed(options), ", ".join(names))

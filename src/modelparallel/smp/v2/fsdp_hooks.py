@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-logger = logging.getLogger("modelparallel")
+from modelparallel.notices import notice
 
 
 def register_tp_processing_pre_comm_hook(*args: Any, **kwargs: Any) -> None:
     """No effect here: FSDP over a ``tsm.transform`` model already reduces the
     tensor-parallel parameters' gradients over the right ranks (says so once)."""
-    logger.info("register_tp_processing_pre_comm_hook has no effect: modelparallel's FSDP "
-                "integration reduces tensor-parallel gradients itself")
+    notice("register_tp_processing_pre_comm_hook has no effect: modelparallel's FSDP "
+           "integration reduces tensor-parallel gradients itself")

@@ -9,12 +9,11 @@ a ``TypeError``, as for any Python function.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-logger = logging.getLogger("modelparallel")
+from modelparallel.notices import notice
 
 _NO_EFFECT = {
     "fused_softmax": "fused softmax is a kernel choice; SDPA computes the same softmax",
@@ -69,7 +68,7 @@ def extra(kwargs: dict[str, Any], owner: str) -> Extra:
     for key in sorted(set(kwargs) & set(_NO_EFFECT)):
         if key not in _logged:
             _logged.add(key)
-            logger.info("%s(%s=%r): no effect here: %s", owner, key, kwargs[key], _NO_EFFECT[key])
+            notice("%s(%s=%r): no effect here: %s", owner, key, kwargs[key], _NO_EFFECT[key])
     out = Extra(**{k: v for k, v in kwargs.items() if k in known})
     out.hf_gelu = os.environ.get("SMP_USE_HF_GELU") == "1"
     if out.use_alibi:

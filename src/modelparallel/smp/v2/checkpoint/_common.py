@@ -3,24 +3,23 @@ arguments, and one-line notes for arguments that have no effect here."""
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from modelparallel.notices import notice
 from modelparallel.smp.v2.checkpoint.s3_filesystem import is_s3_uri
 
-logger = logging.getLogger("modelparallel")
 _said: set[str] = set()
 
 
 def say_once(key: str, message: str) -> None:
-    """Log ``message`` once per process (on each rank: each may pass other arguments)."""
+    """Say ``message`` once per run (rank 0's arguments; the others' are the same)."""
     if key not in _said:
         _said.add(key)
-        logger.info(message)
+        notice("%s", message)
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

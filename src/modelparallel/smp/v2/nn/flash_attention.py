@@ -12,14 +12,13 @@ returns; ``[b, s, h, d]`` for the default ``"b s h d"`` of
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger("modelparallel")
+from modelparallel.notices import notice
 
 LAYOUTS = ("b h s d", "b s h d")
 Packed = torch.Tensor | Sequence[torch.Tensor]
@@ -114,9 +113,9 @@ class FlashSelfAttention(nn.Module):
             raise ValueError("FlashSelfAttention: use_alibi=True needs "
                              "triton_flash_attention=True (as in SMP)")
         if triton_flash_attention:
-            logger.info("FlashSelfAttention(triton_flash_attention=True): there is no Triton "
-                        "kernel here; torch's scaled_dot_product_attention computes the same "
-                        "attention (ALiBi through attn_mask)")
+            notice("FlashSelfAttention(triton_flash_attention=True): there is no Triton "
+                   "kernel here; torch's scaled_dot_product_attention computes the same "
+                   "attention (ALiBi through attn_mask)")
         self.attention_dropout_prob = attention_dropout_prob
         self.scale = scale
         self.triton_flash_attention = triton_flash_attention

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from modelparallel.notices import notice
 from modelparallel.smp.state import state
 from modelparallel.smp.v1 import tp_register
 from modelparallel.smp.v1.nn.transformer import DistributedTransformerLMHead
@@ -95,9 +96,9 @@ def _fuse(qkv: dict[str, dict[str, torch.Tensor]]) -> StateDict:
 
 def _max_seq_len_note(max_seq_len: int | None) -> None:
     if max_seq_len is not None:
-        logger.info("translate_state_dict_to_hf_gpt2(max_seq_len=%s): no effect here: it sized "
-                    "GPT-2's causal-mask buffers, which transformers has not saved in state "
-                    "dicts since 4.27", max_seq_len)
+        notice("translate_state_dict_to_hf_gpt2(max_seq_len=%s): no effect here: it sized "
+               "GPT-2's causal-mask buffers, which transformers has not saved in state "
+               "dicts since 4.27", max_seq_len)
 
 
 def _already(state_dict: StateDict, form: str, prefixes: tuple[str, ...],
