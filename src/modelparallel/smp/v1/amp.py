@@ -26,7 +26,6 @@ torch's. Use it as torch's::
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from typing import Any
 
@@ -34,9 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from modelparallel.notices import notice
 from modelparallel.smp.state import state
-
-logger = logging.getLogger("modelparallel")
 
 
 def _default_device() -> str:
@@ -56,7 +54,7 @@ class GradScaler(torch.amp.GradScaler):
         if device is None:
             device = _default_device()
         elif device == "cuda" and not torch.cuda.is_available():
-            logger.warning("smp.amp.GradScaler(device='cuda'): no GPU here; scaling on the cpu")
+            notice("smp.amp.GradScaler(device='cuda'): no GPU here; scaling on the cpu")
             device = "cpu"
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,

@@ -16,7 +16,6 @@ shards (SMP gathers it over the pipeline); ``grad_norm_fn`` may supply it otherw
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-logger = logging.getLogger("modelparallel")
+from modelparallel.notices import notice
 
 Params = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
@@ -81,10 +80,9 @@ class FusedAdam(_SetGradNone, torch.optim.Adam):
                              "float32 parameters)")
         for name, value in (("capturable", capturable), ("master_weights", master_weights)):
             if value:
-                logger.warning("FusedAdam(%s=True) has no effect: %s", name,
-                               "no CUDA graphs are captured here" if name == "capturable"
-                               else "the parameters are float32 already, so they are the "
-                                    "master weights")
+                notice("FusedAdam(%s=True) has no effect: %s", name,
+                       "no CUDA graphs are captured here" if name == "capturable"
+                       else "the parameters are float32 already, so they are the master weights")
 
 
 class FusedLAMB(_SetGradNone):
