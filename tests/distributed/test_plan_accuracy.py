@@ -68,7 +68,7 @@ def workload(config, checkpointing, world):
 
 def measure(config, checkpointing, world):
     """One rank of the real run: the collective bytes of its second step, the peaks of
-    the next ``STEPS`` steps, and the time of one more."""
+    the first and of the next ``STEPS`` steps, and the time of one more."""
     from modelparallel.observe.collectives import CollectiveCounter
     from modelparallel.observe.tensor_memory import live_cpu_storages
     from modelparallel.plan.fake_world import forget_sharding_caches
@@ -81,10 +81,11 @@ def measure(config, checkpointing, world):
     gc.collect()  # what earlier cases left is not this run's
     before = sum(live_cpu_storages().values())
     script = TrainingScript(workload(config, checkpointing, world), mp)
-    script.step()
+    with mp.observe.PeakTensorMemory() as first:  # the plan's peak covers the first step
+        script.step()
+    peaks = [(first.peak_bytes - before, first.unseen_free_bytes)]
     with CollectiveCounter(mp.state.group_labels) as counter:
         script.step()
-    peaks = []
     for _ in range(STEPS):
         with mp.observe.PeakTensorMemory() as memory:
             script.step()
@@ -121,11 +122,15 @@ def test_predicted_peak_and_collectives_match_the_real_run(workers, device, worl
     for rank, (real, plan) in enumerate(zip(measured, planned.ranks, strict=True)):
         # on gloo a step's peak depends on when gloo's thread frees its working copies:
         # the planner gives the range (docs/planner.md); every measured step lies in it
+        # (the plan's peak is the run's: the measured steps' highest reaches it)
         early, late = plan.peak_bytes_copies_freed_at_once, plan.peak_bytes
         for peak, unseen in real["peaks"]:
             print(f"rank {rank}: predicted {early}..{late} measured {peak - unseen}..{peak} "
                   f"ratio {late / peak:.3f}")
-            assert 0.95 * early <= peak and peak - unseen <= 1.05 * late, \
+            assert peak - unseen <= 1.05 * late, \
                 f"rank {rank}: predicted {early}..{late}, measured {peak - unseen}..{peak}"
+        run_peak = max(peak for peak, _ in real["peaks"])
+        assert 0.95 * early <= run_peak, \
+            f"rank {rank}: predicted {early}..{late}, the run's peak {run_peak}"
         assert plan.comm_bytes == pytest.approx(real["comm"]), \
             f"rank {rank}: predicted {plan.comm_bytes}, counted {real['comm']}"

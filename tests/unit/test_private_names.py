@@ -60,6 +60,8 @@ IMPORTS = {name: "imported" for name in (
     "torch.distributed.pipelining.schedules._ComputationType",  # the schedule's actions
     "torch.distributed.pipelining.stage._PipelineStageBase",  # recording a schedule
     "torch.distributed.tensor._redistribute._gen_transform_infos",  # planner's fake world
+    "torch.distributed.tensor._sharding_prop.ShardingPropagator",  # the same
+    "torch.distributed._tools.mem_tracker.MemTracker",  # the plan's check (testing/)
     "torch.utils._python_dispatch.TorchDispatchMode",  # counting collectives, the planner
     "torch.utils._pytree",  # nested inputs (no public pytree in torch 2.13)
 )}
@@ -69,6 +71,9 @@ ATTRIBUTES = {
     "_C": Private("torch", "the planner clears DTensor's C++ sharding cache"),
     "_clear_DTensor_sharding_propagator_cache": Private("torch._C", "the same", PLAN),
     "_op_dispatcher": Private("torch.distributed.tensor.DTensor", "the sharding cache", PLAN),
+    "_propagate_tensor_meta_non_cached": Private(
+        "torch.distributed.tensor._sharding_prop.ShardingPropagator",
+        "the planner: DTensor's shape propagation in a fake mode of its own"),
     "_propagate_tensor_meta_cached": Private(
         "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator", "the same", PLAN),
     "_HYBRID_SHARD_ZERO2": Private("torch.distributed.fsdp.ShardingStrategy",

@@ -1,9 +1,10 @@
 """One rank's training step, simulated: the real layout code (``mp.init``, the
 appliers, the pipeline schedule) on a fake process group and fake tensors, so nothing
 is allocated and nothing is sent. The step runs twice: the first creates the optimizer
-state, the second is the one measured (``StepTracker`` keeps the peak of live tensor
-storage and counts operations and FLOPs, a ``CollectiveCounter`` the bytes each group
-moves).
+state, the second is the one whose operations, FLOPs and collective bytes are counted
+(``StepTracker``, a ``CollectiveCounter``). The peaks are the most live tensor storage
+held at any moment of the three (building the model, the first step, the second): a
+run's peak, which a later step repeats.
 
 The planner never runs a real step; what it reports is read from this simulation, and
 what ``StepMetrics`` measures in training is read from the allocator (``observe/``):
@@ -35,7 +36,7 @@ class RankPlan:
     """The simulated step of one rank (bytes are this rank's)."""
 
     rank: int
-    peak_bytes: int  # the most a step can hold (on gloo: its copies freed late)
+    peak_bytes: int  # the most a run can hold (on gloo: its copies freed late)
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
@@ -47,6 +48,8 @@ class RankPlan:
     coordinates: dict[str, int] = field(default_factory=dict)  # pp, dp_replicate, ...
     # on gloo, a step whose working copies are freed as soon as their calls return
     peak_bytes_copies_freed_at_once: int = 0
+    # tensors alone, without gloo's working copies (on NCCL, all three peaks are this)
+    peak_tensor_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -67,14 +70,18 @@ def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None) ->
             with fake_tensors():
                 # on CPU, training's collectives go through gloo
                 tracker = StepTracker(gloo=mp.state.context.device.type == "cpu")
+                peaks = []  # (tensors, copies freed at once, late) of each phase
                 with tracker:
                     trainer = TrainingScript(work, mp)
-                with tracker:
+                peaks.append((tracker.peak_tensors, tracker.peak, tracker.peak_late))
+                with tracker:  # entering starts the phase's peaks from what is live
                     trainer.step()  # creates the optimizer state
+                peaks.append((tracker.peak_tensors, tracker.peak, tracker.peak_late))
                 counter = CollectiveCounter(mp.state.group_labels)
-                with tracker, counter:  # entering resets the tracker's peak
+                with tracker, counter:
                     trainer.step()
-                peak, early = tracker.peak_late, tracker.peak
+                peaks.append((tracker.peak_tensors, tracker.peak, tracker.peak_late))
+                tensors, early, peak = (max(p[i] for p in peaks) for i in range(3))
             held = trainer.held
             return RankPlan(
                 rank=rank, peak_bytes=peak, param_bytes=held["param"],
@@ -83,7 +90,7 @@ def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None) ->
                 comm_bytes=dict(counter.bytes), comm_calls=dict(counter.calls),
                 flops=int(tracker.flops), ops=tracker.ops,
                 coordinates=dict(mp.state.context.topology.coordinate(rank)),
-                peak_bytes_copies_freed_at_once=early)
+                peak_bytes_copies_freed_at_once=early, peak_tensor_bytes=tensors)
         finally:
             mp.reset()
 

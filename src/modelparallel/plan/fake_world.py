@@ -16,6 +16,13 @@ for the planner is here, each piece with the reason:
 - DTensor caches sharding decisions by mesh, and meshes compare equal by layout: the
   next simulated rank's identical mesh would find the previous rank's (with its
   destroyed groups). ``fake_process_group`` clears those caches when a rank ends.
+- DTensor works out an operation's output shape by running it on fake tensors of the
+  global shapes, in the fake mode it finds active (``detect_fake_mode``): the planner's,
+  whose ``StepTracker`` would count those global-shape tensors as the step's memory
+  (on each operation's first run, before DTensor caches the answer). In training that
+  propagation runs in a fake mode of its own and allocates nothing;
+  ``_propagation_outside_fake_mode`` runs it with the planner's mode unset, so it gets
+  one of its own here too.
 - ``StepTracker`` (``plan/tracker.py``) wraps ``UntypedStorage.resize_``, which no
   dispatch mode sees and FSDP2 frees and refills parameter storage with.
 
@@ -134,11 +141,29 @@ def _meshes_outside_fake_mode() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _propagation_outside_fake_mode() -> Iterator[None]:
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: ShardingPropagator, op_schema: Any) -> Any:
+        with unset_fake_temporarily():  # it makes a fake mode of its own, as in training
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def fake_tensors() -> Iterator[FakeTensorMode]:
     """Fake tensors for everything created inside (real tensors passed in are
-    converted), device meshes built as usual, and ``.item()`` answered."""
+    converted), device meshes built as usual, DTensor's shape propagation in a fake
+    mode of its own, and ``.item()`` answered."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _meshes_outside_fake_mode(), mode, ScalarPolicy():
+    with _meshes_outside_fake_mode(), _propagation_outside_fake_mode(), mode, ScalarPolicy():
         yield mode
 
 

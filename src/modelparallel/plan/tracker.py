@@ -65,6 +65,7 @@ class StepTracker(TorchDispatchMode):
         super().__init__()
         self.gloo = gloo  # count gloo's working copies in collectives
         self.live = 0
+        self.peak_tensors = 0  # of tensor storage alone (no gloo copy): what NCCL sees
         self.peak = 0
         self.peak_late = 0  # with gloo's working copies freed as late as they can be
         # group -> bytes of the copies of its last GLOO_THREADS calls
@@ -77,7 +78,7 @@ class StepTracker(TorchDispatchMode):
 
     def __enter__(self) -> StepTracker:
         self._fake_mode = active_fake_mode()
-        self.peak = self.live
+        self.peak_tensors = self.peak = self.live
         # the previous step's last copies may still be there (gloo's thread frees them)
         self.peak_late = self.live + self._held_late()
         self.ops = self.flops = 0
@@ -143,6 +144,7 @@ class StepTracker(TorchDispatchMode):
             weakref.finalize(storage, self._free, key)
         self.live += size - self._sizes.get(key, 0)
         self._sizes[key] = size
+        self.peak_tensors = max(self.peak_tensors, self.live)
         self.peak = max(self.peak, self.live)
         self.peak_late = max(self.peak_late, self.live + self._held_late())
 

@@ -10,6 +10,7 @@ microseconds and no OS scheduling (threads cost ~0.5 ms per hand-off on a busy C
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,12 +35,15 @@ class _Stop(BaseException):
 
 
 class _Greenlet(greenlet.greenlet):
-    microbatch: Microbatch
+    # weak: a strong one would make a reference cycle that keeps the step's inputs,
+    # loss and results alive after the step, until Python's cycle collector runs
+    microbatch: weakref.ref[Microbatch]
 
 
 def running_microbatch() -> Microbatch | None:
     """The microbatch whose step function is running here, if any."""
-    return getattr(greenlet.getcurrent(), "microbatch", None)
+    ref = getattr(greenlet.getcurrent(), "microbatch", None)
+    return ref() if ref is not None else None
 
 
 class Microbatch:
@@ -53,7 +57,7 @@ class Microbatch:
         self.scale = 1.0  # of the loss in backward: 1 / microbatches
         self._call = (fn, args, kwargs, torch.is_grad_enabled())
         self._greenlet = _Greenlet(self._run)
-        self._greenlet.microbatch = self
+        self._greenlet.microbatch = weakref.ref(self)
 
     def _run(self) -> tuple[str, Any]:
         fn, args, kwargs, grad = self._call
