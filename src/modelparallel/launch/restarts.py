@@ -3,7 +3,9 @@
 torchrun restarts a failed group silently (its agent's log lines say only that the group
 failed). The agent ``elastic_launch`` builds is replaced, while a run lasts, by one that
 keeps the last result it saw and hands the failures of that result to ``say`` before
-each restart that follows a failure (restarts for nodes joining are not announced).
+each restart that follows a failure (restarts for nodes joining are not announced). It
+overrides two methods of torch's agent, ``_monitor_workers`` and ``_restart_workers``
+(torch 2.13), calling torch's own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def announcing_restarts(say: Announce) -> Iterator[None]:
 
     class AnnouncingAgent(base):  # type: ignore[misc, valid-type]
         _last_result: Any = None
+        _restarts_announced = 0
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             self._last_result = super()._monitor_workers(worker_group)
@@ -35,9 +38,8 @@ def announcing_restarts(say: Announce) -> Iterator[None]:
         def _restart_workers(self, worker_group: Any) -> None:
             last, self._last_result = self._last_result, None
             if last is not None and last.is_failed():
-                spec = worker_group.spec
-                say(last.failures, spec.max_restarts - self._remaining_restarts,
-                    spec.max_restarts)
+                self._restarts_announced += 1
+                say(last.failures, self._restarts_announced, worker_group.spec.max_restarts)
             super()._restart_workers(worker_group)
 
     api.LocalElasticAgent = AnnouncingAgent  # type: ignore[misc]
