@@ -165,10 +165,11 @@ def test_no_source_file_is_longer_than_the_limit():
 # climbs back up (docs/architecture.md, "One step, from configuration to collective")
 LAYERS = {
     "errors": set(),
+    "notices": set(),
     "schedule_rules": set(),
     "config_keys": {"errors"},
     "config_files": {"errors"},
-    "config": {"errors", "schedule_rules", "config_keys", "config_files"},
+    "config": {"errors", "notices", "schedule_rules", "config_keys", "config_files"},
     "topology": {"errors", "schedule_rules", "config"},
     "precision_policy": {"config"},
     "context": {"config", "topology", "precision_policy"},

@@ -15,12 +15,14 @@ import re
 import signal
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import elastic_launch
 
@@ -29,6 +31,8 @@ from modelparallel import doctor
 from modelparallel.config import Config, normalise
 from modelparallel.config_files import read_config_file
 from modelparallel.errors import ConfigError
+from modelparallel.launch.lifeline import RunLifeline
+from modelparallel.launch.restarts import announcing_restarts
 from modelparallel.launch.run_dir import keep_run_directory
 from modelparallel.launch.worker import COLLECTIVE_TIMEOUT
 from modelparallel.topology import check_world
@@ -53,6 +57,7 @@ class RunOptions:
     rdzv_host: bool | None = None  # whether this node hosts the c10d rendezvous store
     compat: str | None = None  # "sagemaker": SageMaker's imports resolve to modelparallel
     run_dir: str | None = None  # default: a new dated directory under runs/ (run_dir.py)
+    ranks_filter: str | None = None  # "0,2": show only these local ranks' output
 
 
 def load_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], Config]:
@@ -88,6 +93,8 @@ def torchrun_argv(opts: RunOptions, nproc: int) -> list[str]:
             f"--max-restarts={opts.max_restarts}", "--tee=3"]
     if opts.log_dir:
         argv.append(f"--log-dir={opts.log_dir}")
+    if opts.ranks_filter:
+        argv.append(f"--local-ranks-filter={opts.ranks_filter}")
     if opts.nnodes == 1 and opts.rdzv_endpoint is None:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:0",
                  f"--local-addr={LOOPBACK}"]
@@ -144,20 +151,49 @@ def run_workers(opts: RunOptions) -> tuple[int, str | None]:
     # cmd_args is ["-u", script, *script_args]; run the script through our worker wrapper
     # so an uncaught error reaches the summary without the script using @record.
     entry_args = ["-u", "-m", "modelparallel.launch.worker", *cmd_args[1:]]
-    # the agent's own lines ("Sending process ... closing signal", "failed (exitcode: 1)")
-    # repeat what the summary says
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # the agent's own lines ("Sending process ... closing signal", "failed (exitcode: 1)",
+    # "Received 2 death signal") repeat what the summary says; each module's logger has a
+    # level of its own
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="mp-doctor-") as doctor_dir:
         os.environ[doctor.FOLDER] = doctor_dir  # each rank's last call, for a postmortem
-        try:
-            elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
-        except ChildFailedError as e:
-            summary = failure_summary(e, doctor.postmortem(doctor_dir))
-            print(summary, file=sys.stderr, flush=True)
-            _, first = first_failure(e)
-            code = exit_code(first)
-            return (code if code > 0 else 128 + abs(code or 1)), summary.strip("\n=")
+        stopped_by = None
+        # the lifeline ends whatever of the run is left when it ends (or the launcher dies)
+        with RunLifeline(), announcing_restarts(announce_restart):
+            try:
+                elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
+            except ChildFailedError as e:
+                summary = failure_summary(e, doctor.postmortem(doctor_dir))
+                print(summary, file=sys.stderr, flush=True)
+                _, first = first_failure(e)
+                code = exit_code(first)
+                return (code if code > 0 else 128 + abs(code or 1)), summary.strip("\n=")
+            except SignalException as e:  # Ctrl-C, or the launcher was stopped
+                stopped_by = e.sigval
+    if stopped_by is not None:
+        said = f"stopped by {stopped_by.name}"
+        print(f"modelparallel run: {said}{' (Ctrl-C)' if stopped_by == signal.SIGINT else ''}"
+              f"; every process of the run has ended", file=sys.stderr, flush=True)
+        return 128 + stopped_by, said
     return 0, None
+
+
+def announce_restart(failures: Mapping[int, ProcessFailure], restart: int, of: int) -> None:
+    """One line when the worker group restarts after a failure: which rank failed, how,
+    and which restart this is."""
+    if failures:
+        rank, failure = first_failure(failures)
+        error = _error_message(failure).strip().splitlines()
+        site = _extra(failure, "user_site").split(": ", 1)[0]
+        why = _describe_exit(exit_code(failure)) + (f", {error[0]}" if error else "") + \
+            (f" at {site}" if site else "")
+        what = f"rank {rank} failed ({why})"
+    else:
+        what = "the worker group became unhealthy"
+    print(f"modelparallel run: {what}; restarting the worker group (restart {restart} of "
+          f"{of})", file=sys.stderr, flush=True)
 
 
 def _stopped_by_launcher(failure: ProcessFailure) -> bool:
@@ -192,7 +228,11 @@ def _error_message(failure: ProcessFailure) -> str:
     msg = data.get("message") if isinstance(data, dict) else None
     if isinstance(msg, dict) and isinstance(msg.get("message"), str):
         return msg["message"]
-    return failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return f"the process was ended by {_describe_exit(failure.exitcode)[len('signal '):]}"
+    # torchrun's placeholder ("To enable traceback see: ...") says nothing about it
+    return (f"the process exited with code {failure.exitcode} without a Python error "
+            f"(os._exit, or a crash in native code)")
 
 
 def _reacted_to_another_rank(failure: ProcessFailure) -> bool:
@@ -201,7 +241,8 @@ def _reacted_to_another_rank(failure: ProcessFailure) -> bool:
     return bool(_PEER_GONE.search(text) or COLLECTIVE_TIMEOUT.search(text))
 
 
-def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
+def first_failure(error: ChildFailedError | Mapping[int, ProcessFailure],
+                  ) -> tuple[int, ProcessFailure]:
     """The rank whose failure ended the run, and that failure.
 
     torchrun orders failures by a timestamp in whole seconds and breaks ties by rank, so
@@ -211,7 +252,8 @@ def first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
     after a rank that failed on its own: a rank that is SIGKILLed is often seen by the
     launcher after its peer has already raised "Connection closed by peer".
     """
-    return min(error.failures.items(),
+    failures = error.failures if isinstance(error, ChildFailedError) else error
+    return min(failures.items(),
                key=lambda item: (_stopped_by_launcher(item[1]),
                                  _reacted_to_another_rank(item[1]),
                                  exit_code(item[1]) != item[1].exitcode,  # ended by itself

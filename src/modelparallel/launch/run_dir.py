@@ -3,6 +3,7 @@
 ::
 
     runs/2026-11-26_171503-train/   (or --run-dir DIR; the base: $MODELPARALLEL_RUNS_DIR)
+      owner.json       the run the directory belongs to (run_owner.py)
       config.json      the launch options and the configuration (--config / MP_CONFIG)
                        resolved with the defaults
       logs/            each rank's stdout/stderr (torchrun's --log-dir layout)
@@ -36,6 +37,7 @@ import torch
 from modelparallel.config import Config, normalise
 from modelparallel.config_files import read_config_file, read_launcher_config
 from modelparallel.errors import ConfigError
+from modelparallel.launch.run_owner import RunDirectoryError, claim, unwritable
 from modelparallel.observe import run_output
 from modelparallel.observe.progress import PROGRESS_TTY
 from modelparallel.topology import check_world
@@ -54,6 +56,7 @@ class LaunchOptions(Protocol):
     nnodes: int
     node_rank: int | None
     rdzv_endpoint: str | None
+    rdzv_id: str
     config: str | None
     max_restarts: int
     log_dir: str | None
@@ -116,18 +119,18 @@ class RunDirectory:
 
     @classmethod
     def open(cls, opts: LaunchOptions) -> RunDirectory:
-        if opts.run_dir:
-            path = Path(opts.run_dir)
-            if (path / CONFIG_NAME).is_file():
-                print(f"modelparallel run: {_shown(path)} already holds a run; its files are "
-                      f"replaced, metrics.jsonl keeps both (lines carry the run id) and the "
-                      f"report shows this run", file=sys.stderr, flush=True)
-            path.mkdir(parents=True, exist_ok=True)
-        else:
-            path = new_run_dir(default_runs_dir(), Path(opts.script).stem)
+        """The run's directory: ``--run-dir`` (taken for this run, or continued when this
+        is the run that holds it: run_owner.py), else a new dated one."""
+        try:
+            path = Path(opts.run_dir) if opts.run_dir else \
+                new_run_dir(default_runs_dir(), Path(opts.script).stem)
+        except OSError as e:
+            raise unwritable(default_runs_dir(), e) from e
         run = cls(path)
-        if opts.run_dir:  # a reused directory: this run needs an id of its own
-            run.id = f"{run.path.name}@{time.strftime('%Y-%m-%d_%H%M%S')}-{os.getpid()}"
+        run.id, continued = claim(run.path, opts, fresh_id=run.path.name)
+        if continued:
+            print(f"modelparallel run: continuing run {run.id} in {_shown(run.path)}",
+                  file=sys.stderr, flush=True)
         return run
 
     def write_config(self, opts: LaunchOptions, nproc: int, explicit: dict[str, Any],
@@ -207,8 +210,15 @@ def keep_run_directory(default_nproc: Callable[[], int]) -> Callable[[Launch], L
                 explicit, config = launch_config(opts, opts.nnodes * nproc)
             except ConfigError:
                 return launch(opts)  # which raises it, as without a run directory
-            run = RunDirectory.open(opts)
-            run.write_config(opts, nproc, explicit, config)
+            try:
+                run = RunDirectory.open(opts)
+                try:
+                    run.write_config(opts, nproc, explicit, config)
+                except OSError as e:
+                    raise unwritable(run.path, e) from e
+            except RunDirectoryError as e:
+                print(e, file=sys.stderr, flush=True)
+                return 2, str(e)
             print(f"modelparallel run: run directory {_shown(run.path)}", file=sys.stderr,
                   flush=True)
             opts = copy.copy(opts)

@@ -22,7 +22,7 @@ import traceback
 import modelparallel_compat
 from modelparallel.doctor import configured_timeout, start_from_environment
 from modelparallel.doctor.frames import is_user_file
-from modelparallel.launch.lifeline import follow_parent
+from modelparallel.launch.lifeline import die_with_parent
 
 # What a collective that waited too long raises: gloo's RuntimeError ("Timed out waiting
 # 5000ms for recv operation to complete") and nccl's watchdog ("Watchdog caught
@@ -154,7 +154,7 @@ def check_instance_order() -> None:
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m modelparallel.launch.worker script.py [args...]")
-    follow_parent()  # a worker whose agent was killed ends too
+    die_with_parent()  # a worker whose launcher was killed ends too
     script = os.path.abspath(sys.argv[1])
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(script))
@@ -167,7 +167,7 @@ def main() -> None:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         if done.code not in (None, 0):
-            raise
+            _exit(record_exit(done))
     except BaseException as error:
         timed_out = is_collective_timeout(error)
         diagnosis, user_line = None, innermost_user_line(error)
@@ -194,6 +194,17 @@ def main() -> None:
     if doctor is not None:
         doctor.finish()
     _exit(0)
+
+
+def record_exit(done: SystemExit) -> int:
+    """Record a ``sys.exit(CODE)`` that ended the script (its code, and where in the
+    user's code it was called) for the launcher's summary; the exit code to end with."""
+    code = done.code if isinstance(done.code, int) else 1
+    if not isinstance(done.code, int):  # sys.exit("message") prints the message
+        sys.stderr.write(f"{done.code}\n")
+    text = f"exited with code {code}" + ("" if isinstance(done.code, int) else f": {done.code}")
+    write_error_file(f"SystemExit: the script {text}", "", innermost_user_line(done))
+    return code
 
 
 def _distributed_error(error: BaseException) -> bool:
