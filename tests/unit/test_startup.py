@@ -25,6 +25,17 @@ def test_help_imports_nothing_that_training_needs():
     modules = _imported("-m", "modelparallel", "--help")
     heavy = sorted(m for m in modules if m.startswith(NOT_FOR_HELP))
     assert not heavy, heavy
+    # torchrun --help imports torch; ours need not (every command's parser is torch-free)
+    assert "torch" not in modules
+
+
+def test_the_plan_arguments_offer_the_planners_names():
+    from modelparallel.launch.plan_arguments import DEVICE_PROFILES, OPTIMIZERS
+    from modelparallel.plan.device_model import PROFILES
+    from modelparallel.plan.workload import OPTIMIZERS as PLANNED
+
+    assert OPTIMIZERS == PLANNED
+    assert DEVICE_PROFILES == tuple(sorted(PROFILES))
 
 
 def test_import_modelparallel_imports_no_torch_until_a_name_is_used():

@@ -10,12 +10,13 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-
 from modelparallel.config import ALIASES, Config, ConfigError
-from modelparallel.launch.run import RunOptions, load_config_file, run
+from modelparallel.launch.plan_arguments import add_parser as add_plan_parser
+from modelparallel.launch.plan_arguments import add_workload_arguments
 from modelparallel.topology import Topology
 from modelparallel.version import __version__
+
+# torch (seconds to import) only where a command needs it: --help and the parsers do not
 
 
 class _Parser(argparse.ArgumentParser):
@@ -109,8 +110,6 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=int, default=None,
                    help="also check the degrees against this many processes")
     c.add_argument("--list", action="store_true", help="list every key with its default")
-    from modelparallel.plan.cli import add_workload_arguments
-
     add_workload_arguments(c, required=False)  # --model ...: also plan the layout
 
     rp = sub.add_parser("report", help="build a run directory's report.html again",
@@ -119,7 +118,6 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir", help="a run directory (runs/...)")
 
     from modelparallel.jobs.cli import add_parser as add_jobs_parser
-    from modelparallel.plan.cli import add_parser as add_plan_parser
 
     add_jobs_parser(sub)
     add_plan_parser(sub)
@@ -137,6 +135,8 @@ def check_config(file: str | None, world_size: int | None, list_keys: bool,
     if file is None:
         print("modelparallel check-config: give a FILE or --list", file=sys.stderr)
         return 2
+    from modelparallel.launch.run import load_config_file
+
     try:
         explicit, config = load_config_file(file)
         topology = Topology.from_config(config, world_size) if world_size is not None else None
@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> None:
         from modelparallel.jobs.cli import main as jobs_main
 
         sys.exit(jobs_main(args))
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from modelparallel.launch.run import RunOptions, run
+
     try:
         code = run(RunOptions(
             script=args.script, script_args=args.script_args, nproc_per_node=args.nproc_per_node,

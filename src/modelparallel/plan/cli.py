@@ -15,42 +15,7 @@ from modelparallel.config import ConfigError
 from modelparallel.plan import JobPlan, PlanError, plan_job
 from modelparallel.plan.device_model import PROFILES, DeviceModel, measure_here
 from modelparallel.plan.estimate import StepEstimate, estimate_step
-from modelparallel.plan.workload import OPTIMIZERS, ModelFactory, Workload
-
-
-def add_workload_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
-    """The arguments that say what is trained (shared with ``check-config``)."""
-    p.add_argument("--model", required=required, metavar="FILE.py:FUNCTION",
-                   help="FUNCTION() returns the single-device model; FILE is imported as a "
-                        "training script would be (its TP plan registrations run)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="rows each rank's data loader yields per step (with prescaled_batch "
-                        "false a tensor-parallel group concatenates its ranks' batches)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per row")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="checkpoint the model's repeated blocks")
-    p.add_argument("--api", choices=("v1", "v2"), default="v1",
-                   help="v1: DistributedModel + @step (any layout); v2: transform + shard")
-
-
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "plan", help="predict each rank's memory, communication and step time before launch",
-        description="Simulate one training step of every rank on fake tensors and a fake "
-                    "process group (nothing is allocated or sent) and report per rank the "
-                    "peak of allocated tensor memory and its parts, the bytes each group's "
-                    "collectives move, and an estimated step time (docs/planner.md).")
-    add_workload_arguments(p, required=True)
-    p.add_argument("--config", default=None, help="JSON or YAML configuration (the layout)")
-    p.add_argument("--world-size", type=int, required=True, help="processes in the job")
-    p.add_argument("--memory-per-device", default=None, metavar="BYTES",
-                   help="search every layout of the world size and rank those whose peak "
-                        "fits in BYTES (suffixes K, M, G, T: powers of 1024)")
-    p.add_argument("--device-profile", choices=sorted(PROFILES), default=None,
-                   help="estimate the step time with a GPU's datasheet figures instead of "
-                        "calibrating this machine")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+from modelparallel.plan.workload import ModelFactory, Workload
 
 
 def load_factory(spec: str) -> ModelFactory:
@@ -193,5 +158,5 @@ def _read_config(path: str | None) -> dict[str, Any]:
     return dict(explicit)
 
 
-__all__ = ["DeviceModel", "add_parser", "add_workload_arguments", "load_factory", "main",
+__all__ = ["DeviceModel", "load_factory", "main",
            "plan_for_check_config"]
