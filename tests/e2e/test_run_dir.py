@@ -156,6 +156,7 @@ def test_tensorboard_events_hold_the_scalars(pipeline_run):
     assert {"loss", "step_time_ms", "throughput/samples_per_s", "memory/peak_tensors_MiB",
             "comm_MiB/pp"} <= set(tags)
     assert tags["loss"] == list(range(1, STEPS + 1))
+    assert tags["memory/peak_tensors_MiB"] == [1, 2, 3], "only the steps whose memory was measured"
 
 
 def test_the_report_renders_in_a_browser(pipeline_run, tmp_path):

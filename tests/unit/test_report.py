@@ -11,9 +11,11 @@ import select
 import time
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from modelparallel.launch.cli import main as cli_main
 from modelparallel.launch.run_dir import new_run_dir
+from modelparallel.observe import report_plots
 from modelparallel.observe.progress import Progress
 from modelparallel.observe.report import load_run, write_report
 
@@ -73,6 +75,84 @@ def test_the_report_shows_this_run_its_plots_and_the_schedule(run_dir):
     assert "<script" not in page, "no script"
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "nothing from a network"
     assert "train.py --steps 4" in page
+
+
+def cpu_run(run: str, steps: int, measured: int) -> list[dict]:
+    """What StepMetrics writes on CPU: memory measured in the first ``measured`` steps,
+    the later ones carry the largest measured peak."""
+    out = []
+    for step in range(1, steps + 1):
+        r = record(run, step, loss=3.0 / step)
+        if step <= measured:
+            r.update(peak_memory_bytes=2**20 * (100 + step), memory_kind="tensors")
+        else:
+            r.update(peak_memory_bytes=2**20 * (100 + measured),
+                     memory_kind=f"tensors, max of steps 1-{measured}")
+        out.append(r)
+    return out
+
+
+def drawn_steps(fig) -> list[list[float]]:
+    """Each line's steps as drawn, a NaN where the line breaks."""
+    return [[x if x == x else "gap" for x in line.get_xdata()] for line in fig.axes[0].lines]
+
+
+def test_the_memory_plot_draws_only_the_measured_steps(run_dir):
+    write_lines(run_dir / "metrics.jsonl", cpu_run(run_dir.name, steps=8, measured=3))
+    series = load_run(run_dir).attempts
+    assert drawn_steps(report_plots.memory_figure(series)) == [[1, 2, 3]]
+    page = write_report(run_dir).read_text()
+    markers = re.findall(r'<g clip-path="url\(#\w+\)">(.*?)</g>', figures(page)["memory"],
+                         re.DOTALL)
+    assert "".join(markers).count("<use ") == 3, "one marker per measured step, none on 4-8"
+    assert "101 MiB" not in page and "103 MiB (tensors; measured in 3 of 8 steps)" in page
+
+
+def test_a_step_without_a_value_leaves_a_gap_in_the_line(run_dir):
+    records = cpu_run(run_dir.name, steps=8, measured=8)
+    del records[4]["loss"]  # step 5 recorded no loss
+    del records[6]  # step 7's line was lost
+    write_lines(run_dir / "metrics.jsonl", records)
+    series = load_run(run_dir).attempts
+    assert drawn_steps(report_plots.loss_figure(series)) == [[1, 2, 3, 4, "gap", 6, "gap", 8]]
+    assert drawn_steps(report_plots.memory_figure(series)) == [[1, 2, 3, 4, 5, 6, "gap", 8]]
+    assert drawn_steps(report_plots.comm_figure(series))[0] == [1, 2, 3, 4, 5, 6, "gap", 8]
+
+
+def busy_schedule(ranks: int, microbatches: int) -> dict:
+    events = [{"rank": r, "stage": r, "kind": k, "microbatch": m, "start": t, "end": t + 0.01}
+              for r in range(ranks) for m in range(microbatches)
+              for k, t in (("F", 0.02 * m + 0.01 * r), ("B", 0.5 + 0.02 * m), ("W", 0.9 + m))]
+    return {"ranks": ranks, "microbatches": microbatches, "virtual": 2, "bubble": 0.4,
+            "theoretical": 0.3, "events": events}
+
+
+def test_every_figure_keeps_its_texts_inside_it():
+    """Titles, labels, ticks and legends measured as matplotlib draws them: none is cut
+    off at the figure's edge (the SVG's viewBox, which the page scales)."""
+    records = [dict(r, comm_bytes={"dp_shard": 2.0**30, "pp": 512.0, "tp": 4096.0},
+                    tokens_per_s=6.4e6) for r in cpu_run("r", steps=120, measured=3)]
+    series = [("attempt 0", records), ("attempt 1", records[:40])]
+    made = {name: getattr(report_plots, f"{name}_figure")(series)
+            for name in ("loss", "throughput", "step_time", "memory", "comm")}
+    made |= {name: getattr(report_plots, f"{name}_figure")(busy_schedule(4, 8))
+             for name in ("schedule", "busy")}
+    made |= {f"memory ({kind})": report_plots.memory_figure(
+        [("", [dict(r, memory_kind=kind) for r in records])]) for kind in ("cuda", "rss")}
+    for name, fig in made.items():
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        fig.draw(renderer)
+        inside = fig.bbox.padded(0.5)
+        titles = [a.title for a in fig.axes if a.title.get_text()]
+        assert titles, f"{name} has no title"
+        for title in titles:
+            ext = title.get_window_extent(renderer)
+            assert inside.x0 <= ext.x0 and ext.x1 <= inside.x1 and ext.y1 <= inside.y1, \
+                f"{name}: title {title.get_text()!r} spans x {ext.x0:.0f}-{ext.x1:.0f}, " \
+                f"y to {ext.y1:.0f} of a {fig.bbox.width:.0f}x{fig.bbox.height:.0f} figure"
+        drawn = fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans)
+        assert (inside.x0 <= drawn.x0 and drawn.x1 <= inside.x1 and inside.y0 <= drawn.y0
+                and drawn.y1 <= inside.y1), f"{name}: labels or legend outside: {drawn}"
 
 
 def test_restart_attempts_are_separate_series(run_dir):

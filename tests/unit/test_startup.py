@@ -35,7 +35,7 @@ def test_the_plan_arguments_offer_the_planners_names():
     from modelparallel.plan.workload import OPTIMIZERS as PLANNED
 
     assert OPTIMIZERS == PLANNED
-    assert DEVICE_PROFILES == tuple(sorted(PROFILES))
+    assert tuple(sorted(PROFILES)) == DEVICE_PROFILES
 
 
 def test_import_modelparallel_imports_no_torch_until_a_name_is_used():

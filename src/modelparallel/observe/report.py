@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelparallel.observe.run_output import (
     CONFIG_NAME,
@@ -25,6 +25,9 @@ from modelparallel.observe.run_output import (
     REPORT_NAME,
     SCHEDULE_NAME,
 )
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MiB = 2**20
 
@@ -191,15 +194,17 @@ def _configuration(data: RunData) -> str:
     return "".join(parts) + "</section>"
 
 
-def _figure(fig_id: str, svg: str | None, caption: str, wide: bool = False) -> str:
-    if svg is None:
+def _figure(fig_id: str, fig: Figure | None, caption: str, wide: bool = False) -> str:
+    if fig is None:
         return ""
-    return (f'<figure class="plot{" wide" if wide else ""}" id="plot-{fig_id}">{svg}'
+    from modelparallel.observe.report_plots import svg
+
+    return (f'<figure class="plot{" wide" if wide else ""}" id="plot-{fig_id}">{svg(fig, fig_id)}'
             f"<figcaption class=\"note\">{_e(caption)}</figcaption></figure>")
 
 
 def _summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, Any]]:
-    from modelparallel.observe.report_plots import percentiles
+    from modelparallel.observe.report_plots import memory_measured, percentiles
 
     rows: list[tuple[str, Any]] = [("steps", len(records))]
     losses = [r["loss"] for r in records if isinstance(r.get("loss"), int | float)]
@@ -215,9 +220,15 @@ def _summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, Any]]:
         values = [r[key] for r in records[1:] if isinstance(r.get(key), int | float)]
         if values:
             rows.append((unit, f"median {percentiles(values, (0.5,))[0]:,.1f}"))
-    peak = max(r.get("peak_memory_bytes", 0) for r in records)
-    rows.append(("peak memory (rank 0)", f"{peak / MiB:,.0f} MiB "
-                                         f"({_e(records[-1].get('memory_kind', ''))})"))
+    measured = [r for r in records if memory_measured(r)]
+    if measured:
+        peak = max(measured, key=lambda r: r["peak_memory_bytes"])
+        rows.append(("peak memory (rank 0)",
+                     f"{peak['peak_memory_bytes'] / MiB:,.0f} MiB "
+                     f"({_e(peak.get('memory_kind', 'rss'))}; measured in {len(measured)} of "
+                     f"{len(records)} steps)"))
+    else:
+        rows.append(("peak memory (rank 0)", "not measured"))
     last = records[-1]
     for group, nbytes in sorted(last.get("comm_bytes", {}).items()):
         calls = last.get("comm_calls", {}).get(group, 0)
@@ -240,15 +251,18 @@ def _training(data: RunData) -> str:
     parts.append(_table(_summary_rows(records)))
     series = data.attempts
     parts.append('<div class="plots">')
-    parts.append(_figure("loss", plots.loss_plot(series), "loss per step, averaged over "
+    parts.append(_figure("loss", plots.loss_figure(series), "loss per step, averaged over "
                                                           "the data-parallel ranks"))
-    parts.append(_figure("throughput", plots.throughput_plot(series),
+    parts.append(_figure("throughput", plots.throughput_figure(series),
                          "samples (and tokens) per second of the whole job"))
-    parts.append(_figure("step_time", plots.step_time_plot(series),
+    parts.append(_figure("step_time", plots.step_time_figure(series),
                          "step time: wall time of each step on rank 0; the first includes "
                          "the warm-up", wide=True))
-    parts.append(_figure("memory", plots.memory_plot(series), "rank 0's peak memory"))
-    parts.append(_figure("comm", plots.comm_plot(series),
+    parts.append(_figure("memory", plots.memory_figure(series),
+                         "rank 0's peak memory, at the steps where it was measured (on CPU "
+                         "StepMetrics measures the first memory_steps steps; the others stay "
+                         "empty)"))
+    parts.append(_figure("comm", plots.comm_figure(series),
                          "bytes rank 0 moved in collectives per process group "
                          "(ring-model bus bytes, docs/metrics.md)"))
     return "".join(parts) + "</div></section>"
@@ -267,10 +281,10 @@ def _pipeline(data: RunData) -> str:
     return ('<section id="pipeline"><h2>Pipeline schedule</h2>'
             '<p class="note">the last step recorded with <code>model.record_schedule()'
             "</code></p>" + _table(rows)
-            + _figure("schedule", plots.schedule_plot(s),
+            + _figure("schedule", plots.schedule_figure(s),
                       "each forward (F), backward (B) and weight-gradient backward (W) of "
                       "each microbatch, by pipeline rank")
-            + _figure("busy", plots.busy_plot(s), "where each rank's time went in that step")
+            + _figure("busy", plots.busy_figure(s), "where each rank's time went in that step")
             + "</section>")
 
 

@@ -1,16 +1,19 @@
 """The report's figures, drawn with matplotlib and embedded as inline SVG (no script, no
 network: the page is one file).
 
-Each function takes what ``report.load_run`` read and returns the ``<svg>`` markup of
-one figure. ``Figure`` objects are made directly (not through pyplot), so nothing
-global changes and no window system is asked for.
+Each ``*_figure`` function takes what ``report.load_run`` read and returns one
+matplotlib figure (None when there is nothing to draw); ``svg`` makes it markup. Only
+measured points are drawn: a step without a value leaves a gap. ``Figure`` objects are
+made directly (not through pyplot), so nothing global changes and no window system is
+asked for.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import matplotlib as mpl
@@ -22,9 +25,11 @@ KIND_COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight-gradient backward"}
 
 Series = list[tuple[str, list[dict[str, Any]]]]  # (label, records) per restart attempt
+Line = tuple[str, list[float], list[float]]  # (label, steps, values); NaN breaks the line
+DASHES = ("-", "--", ":", "-.")  # one per restart attempt
 
 
-def _svg(fig: Figure, name: str) -> str:
+def svg(fig: Figure, name: str) -> str:
     """The figure as an ``<svg>`` element; ids are salted with ``name`` so figures on
     one page never share one."""
     buf = io.StringIO()
@@ -40,19 +45,49 @@ def _figure(width: float = 5.2, height: float = 2.8) -> Figure:
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
-def _lines(series: Series, key: str, scale: float = 1.0) -> list[tuple[str, list, list]]:
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def memory_measured(record: dict[str, Any]) -> bool:
+    """Whether the step's memory was measured: StepMetrics measures CPU memory in the
+    first ``memory_steps`` steps only and gives the later ones the largest measured peak
+    ("tensors, max of steps 1-3"), or "none"."""
+    kind = str(record.get("memory_kind", "rss"))
+    return "," not in kind and kind != "none" and _number(record.get("peak_memory_bytes"))
+
+
+def _lines(series: Series, key: str, scale: float = 1.0,
+           measured: Callable[[dict[str, Any]], bool] = lambda r: True) -> list[Line]:
+    """(label, steps, values) per attempt, of the steps whose ``key`` was measured; where
+    steps between two measured ones were not, a NaN breaks the line (a gap, not a line
+    drawn over steps nobody measured)."""
     out = []
     for label, records in series:
-        points = [(r["step"], r[key] * scale) for r in records
-                  if isinstance(r.get(key), int | float)]
-        if points:
-            out.append((label, [p[0] for p in points], [p[1] for p in points]))
+        xs: list[float] = []
+        ys: list[float] = []
+        for r in records:
+            if not (_number(r.get(key)) and measured(r)):
+                continue
+            if xs and r["step"] != xs[-1] + 1:
+                xs.append(math.nan)
+                ys.append(math.nan)
+            xs.append(r["step"])
+            ys.append(r[key] * scale)
+        if xs:
+            out.append((label, xs, ys))
     return out
 
 
-def _plot_lines(ax: Any, lines: list[tuple[str, list, list]], ylabel: str) -> None:
+def _plot(ax: Any, xs: list[float], ys: list[float], **style: Any) -> None:
+    """One line; markers where the points are few or a gap may leave one alone."""
+    sparse = len(xs) < 40 or any(math.isnan(x) for x in xs)
+    ax.plot(xs, ys, marker="." if sparse else None, **style)
+
+
+def _plot_lines(ax: Any, lines: list[Line], ylabel: str) -> None:
     for label, xs, ys in lines:
-        ax.plot(xs, ys, label=label or None, marker="." if len(xs) < 40 else None)
+        _plot(ax, xs, ys, label=label or None)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -60,7 +95,7 @@ def _plot_lines(ax: Any, lines: list[tuple[str, list, list]], ylabel: str) -> No
         ax.legend(fontsize="small")
 
 
-def loss_plot(series: Series) -> str | None:
+def loss_figure(series: Series) -> Figure | None:
     lines = _lines(series, "loss")
     if not lines:
         return None
@@ -68,10 +103,10 @@ def loss_plot(series: Series) -> str | None:
     ax = fig.add_subplot()
     _plot_lines(ax, lines, "loss (mean over data-parallel ranks)")
     ax.set_title("Loss")
-    return _svg(fig, "loss")
+    return fig
 
 
-def throughput_plot(series: Series) -> str | None:
+def throughput_figure(series: Series) -> Figure | None:
     samples = _lines(series, "samples_per_s")
     if not samples:
         return None
@@ -79,16 +114,16 @@ def throughput_plot(series: Series) -> str | None:
     fig = _figure()
     ax = fig.add_subplot()
     _plot_lines(ax, samples, "samples/s")
-    ax.set_title("Throughput" + (" (tokens/s on the right)" if tokens else ""))
+    ax.set_title("Throughput" + (" (tokens/s dashed, right)" if tokens else ""))
     if tokens:
         right = ax.twinx()
         for _, xs, ys in tokens:
             right.plot(xs, ys, color="#888888", linewidth=0.8, linestyle="--")
         right.set_ylabel("tokens/s")
-    return _svg(fig, "throughput")
+    return fig
 
 
-def step_time_plot(series: Series) -> str | None:
+def step_time_figure(series: Series) -> Figure | None:
     """Step time per step, and how the step times spread (the first step, which includes
     the warm-up, apart)."""
     lines = _lines(series, "step_time_s", 1e3)
@@ -99,31 +134,36 @@ def step_time_plot(series: Series) -> str | None:
     _plot_lines(left, lines, "ms")
     left.set_yscale("log")
     left.set_title("Step time")
-    times = [y for _, _, ys in lines for y in ys[1:]] or [y for _, _, ys in lines for y in ys]
+    per_attempt = [[y for y in ys if not math.isnan(y)] for _, _, ys in lines]
+    times = [y for ys in per_attempt for y in ys[1:]] or [y for ys in per_attempt for y in ys]
     right.hist(times, bins=min(30, max(5, len(times) // 3)), color="#4c78a8")
     right.set_xlabel("ms (steps after the first)")
     right.set_ylabel("steps")
     right.set_title("Spread")
-    return _svg(fig, "step_time")
+    return fig
 
 
-def memory_plot(series: Series) -> str | None:
-    lines = _lines(series, "peak_memory_bytes", 1 / MiB)
+def memory_figure(series: Series) -> Figure | None:
+    """Rank 0's peak memory at the steps where it was measured; the x axis spans every
+    step, so the unmeasured ones show as empty."""
+    lines = _lines(series, "peak_memory_bytes", 1 / MiB, measured=memory_measured)
     if not lines:
         return None
-    kinds = {r.get("memory_kind", "rss").split(",")[0] for _, records in series for r in records}
-    what = ("CUDA max allocated per step" if kinds == {"cuda"} else
+    kinds = {r["memory_kind"] for _, records in series for r in records
+             if memory_measured(r) and "memory_kind" in r} or {"rss"}
+    what = ("CUDA max allocated" if kinds == {"cuda"} else
             "process peak RSS" if kinds == {"rss"} else
-            "peak CPU tensor bytes of the measured steps" if kinds == {"tensors"} else
-            "peak memory")
+            "peak tensor bytes" if kinds == {"tensors"} else "peak")
     fig = _figure()
     ax = fig.add_subplot()
-    _plot_lines(ax, lines, "MiB")
-    ax.set_title(f"Memory of rank 0 ({what})")
-    return _svg(fig, "memory")
+    _plot_lines(ax, lines, f"MiB ({what})")
+    steps = [r["step"] for _, records in series for r in records]
+    ax.set_xlim(min(steps) - 0.5, max(steps) + 0.5)
+    ax.set_title("Memory of rank 0")
+    return fig
 
 
-def comm_plot(series: Series) -> str | None:
+def comm_figure(series: Series) -> Figure | None:
     """Bytes each process group moved per step (rank 0's view, ring-model bytes); the
     legend gives each group's total."""
     groups = sorted({g for _, records in series for r in records for g in r.get("comm_bytes", {})})
@@ -131,21 +171,24 @@ def comm_plot(series: Series) -> str | None:
         return None
     fig = _figure()
     ax = fig.add_subplot()
-    for group in groups:
-        xs = [r["step"] for _, records in series for r in records]
-        ys = [r.get("comm_bytes", {}).get(group, 0.0) / MiB for _, records in series
-              for r in records]
-        ax.plot(xs, ys, label=f"{group} ({sum(ys):,.2f} MiB in all)",
-                marker="." if len(xs) < 40 else None)
+    for colour, group in enumerate(groups):
+        # a step that counted collectives and has no bytes for the group moved none
+        counted = [(label, [{"step": r["step"], "mib": r["comm_bytes"].get(group, 0.0) / MiB}
+                            for r in records if isinstance(r.get("comm_bytes"), dict)])
+                   for label, records in series]
+        for n, (label, xs, ys) in enumerate(_lines(counted, "mib")):
+            total = sum(y for y in ys if not math.isnan(y))
+            name = f"{group}{f', {label}' if label else ''} ({total:,.2f} MiB in all)"
+            _plot(ax, xs, ys, label=name, color=f"C{colour}", linestyle=DASHES[n % len(DASHES)])
     ax.set_xlabel("step")
     ax.set_ylabel("MiB per step")
     ax.set_title("Communication per group")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    return _svg(fig, "comm")
+    return fig
 
 
-def schedule_plot(schedule: dict[str, Any]) -> str | None:
+def schedule_figure(schedule: dict[str, Any]) -> Figure | None:
     """One row per pipeline rank: each forward (F), backward (B) and weight-gradient
     backward (W) as a bar over its time, labelled with its microbatch."""
     events = schedule.get("events") or []
@@ -175,10 +218,10 @@ def schedule_plot(schedule: dict[str, Any]) -> str | None:
     kinds = sorted({e["kind"] for e in events}, key="FBW".index)
     handles = [Patch(color=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in kinds]
     fig.legend(handles=handles, fontsize="small", ncols=3, loc="outside lower center")
-    return _svg(fig, "schedule")
+    return fig
 
 
-def busy_plot(schedule: dict[str, Any]) -> str | None:
+def busy_figure(schedule: dict[str, Any]) -> Figure | None:
     """Where each pipeline rank's time went in the recorded span: forward, backward,
     weight-gradient backward, idle (the bubble)."""
     events = schedule.get("events") or []
@@ -206,7 +249,7 @@ def busy_plot(schedule: dict[str, Any]) -> str | None:
     ax.set_xlabel("share of the recorded span")
     ax.set_title("Step time by pipeline rank")
     fig.legend(fontsize="small", ncols=4, loc="outside lower center")
-    return _svg(fig, "busy")
+    return fig
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (0.5, 0.9)) -> list[float]:

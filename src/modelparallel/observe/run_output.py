@@ -143,9 +143,10 @@ class RunOutput:
         w.add_scalar("throughput/samples_per_s", rec.samples_per_s, step)
         if rec.tokens_per_s is not None:
             w.add_scalar("throughput/tokens_per_s", rec.tokens_per_s, step)
-        # one series per kind of measure: "tensors, max of steps 1-3" goes on "tensors"
-        kind = rec.memory_kind.split(",")[0]
-        w.add_scalar(f"memory/peak_{kind}_MiB", rec.peak_memory_bytes / MiB, step)
+        # one series per kind of measure; the steps StepMetrics did not measure ("tensors,
+        # max of steps 1-3", "none") add no point: a gap, not a flat line
+        if "," not in rec.memory_kind and rec.memory_kind != "none":
+            w.add_scalar(f"memory/peak_{rec.memory_kind}_MiB", rec.peak_memory_bytes / MiB, step)
         for group, nbytes in rec.comm_bytes.items():
             w.add_scalar(f"comm_MiB/{group}", nbytes / MiB, step)
         if time.monotonic() - self._flushed > 1.0:  # visible in TensorBoard while it runs
