@@ -76,6 +76,10 @@ ATTRIBUTES = {
         "the planner: DTensor's shape propagation in a fake mode of its own"),
     "_propagate_tensor_meta_cached": Private(
         "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator", "the same", PLAN),
+    "_make_wrapper_subclass": Private("torch.Tensor", "pipeline stand-ins: another stage's "
+                                      "tensor's metadata on this rank's device, no storage"),
+    "_disabled_torch_function_impl": Private("torch._C", "the same: metadata reads stay "
+                                             "plain attribute reads"),
     "_HYBRID_SHARD_ZERO2": Private("torch.distributed.fsdp.ShardingStrategy",
                                    "hybrid_shard_degree with SHARD_GRAD_OP"),
     "_allgather_orig_param_states": Private("torch.distributed.fsdp._optim_utils",

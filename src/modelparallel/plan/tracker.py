@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -105,8 +106,11 @@ class StepTracker(TorchDispatchMode):
 
         if any(t is DTensor for t in types):
             return NotImplemented
-        if func is torch.ops._c10d_functional.wait_tensor.default and self._fake_mode:
+        if func is torch.ops._c10d_functional.wait_tensor.default and self._fake_mode \
+                and is_fake(args[0]):
             return args[0]  # its fake version returns a new tensor; the real one, its input
+        # (a real tensor's wait runs: it takes the collective off torch's registry of
+        # unwaited work, which would otherwise complain at exit)
         if self.gloo and func.namespace == "c10d":
             self._gloo_copies(func._opname, args)
         out = func(*args, **(kwargs or {}))

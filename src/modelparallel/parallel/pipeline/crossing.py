@@ -30,6 +30,9 @@ from torch.overrides import TorchFunctionMode
 _METADATA = {"__get__", "size", "dim", "numel", "__len__", "is_floating_point", "is_complex",
              "stride", "is_contiguous", "element_size", "data_ptr", "get_device", "nelement",
              "ndimension", "storage_offset", "is_signed"}
+# Ops making a new tensor from another's metadata alone (``absent.py`` answers them too)
+_FROM_METADATA = {"new_empty", "new_zeros", "new_ones", "new_full", "empty_like",
+                  "zeros_like", "ones_like", "full_like"}
 
 
 @dataclass
@@ -190,6 +193,8 @@ class CutAnalysis(TorchFunctionMode):
 
 
 def _metadata_only(func: Any, out: Any) -> bool:
+    if getattr(func, "__name__", "") in _FROM_METADATA:
+        return True
     if getattr(func, "__name__", "") not in _METADATA:
         return False
     return not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))

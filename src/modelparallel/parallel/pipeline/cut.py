@@ -4,10 +4,13 @@ The model's own ``forward`` runs on every stage, with the first stage's microbat
 inputs, so whatever it computes from them (masks, positions, rotary tables) is there
 on every stage. What a stage does not hold is swapped for a stub while it runs: a
 module that computes only the shapes of its outputs on the meta device and returns
-NaN-filled tensors of those shapes. A stage other than the first takes the arguments
-it receives (those of its first unit's call computed from earlier units: tensors
-anywhere in its positional and keyword arguments, see ``crossing.py``); a stage other
-than the last sends those of the next stage's first unit. The modules keep their
+NaN-filled tensors of those shapes. The stub's parameters, buffers, submodules and
+attributes are those of the module it stands for, its tensors replaced by stand-ins
+that answer their metadata and refuse their values (``absent.py``). A stage other than
+the first takes the arguments it receives (those of its first unit's call computed
+from earlier units: tensors anywhere in its positional and keyword arguments, see
+``crossing.py``); a stage other than the last sends those of the next stage's first
+unit. The modules keep their
 classes and names, so tensor-parallel plans, FSDP and state dicts work unchanged.
 """
 
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+
+from modelparallel.parallel.pipeline.absent import Holder, stand_in
 
 
 @dataclass
@@ -46,10 +51,15 @@ class Split:
 
 
 class Stub(nn.Module):
-    """Stands in for a module another stage holds: outputs of the right shapes, NaN."""
+    """Stands in for a module another stage holds: outputs of the right shapes, NaN.
+
+    ``path`` is the module's name in the model, ``holder`` the stage that holds it and
+    ``device`` this rank's: its tensors' stand-ins report them.
+    """
 
     def __init__(self, original: nn.Module, on_call: Callable[[tuple, dict], None] | None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None, *, path: str, holder: Holder,
+                 device: torch.device):
         super().__init__()
         # a parameterless meta copy computes output shapes without the weights, its
         # floating parameters in the compute dtype (half precision casts them so)
@@ -63,18 +73,23 @@ class Stub(nn.Module):
         self.__dict__["_meta"] = _without_hooks(copy.deepcopy(original, memo))
         self.__dict__["_on_call"] = on_call
         self.__dict__["_cache"] = {}
+        # what the model reads of the module: its structure, with stand-in tensors (the
+        # model's parameters() inside the forward lists them: HF's model.dtype reads one)
+        absent: dict[int, torch.Tensor] = {
+            id(b): stand_in(b, f"{path}.{name}", holder, device, None)
+            for name, b in original.named_buffers()}
+        absent |= {id(p): stand_in(p, f"{path}.{name}", holder, device, dtype)
+                   for name, p in original.named_parameters()}
+        mirror = _without_hooks(copy.deepcopy(original, absent))
+        self.__dict__["_mirror"] = mirror
+        for registry in ("_parameters", "_buffers", "_modules"):
+            self.__dict__[registry] = getattr(mirror, registry)
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
-        except AttributeError:
-            if not hasattr(self.__dict__["_meta"], name):
-                raise
-            raise AttributeError(
-                f"{name!r} of a {type(self._meta).__name__} another pipeline stage holds: "
-                "the model reads it outside that module's forward (a weight used "
-                "functionally, say), which runs on every stage; call the module "
-                "instead, or keep the reader on its stage with mp.partition") from None
+        except AttributeError:  # the module's own attributes (its sizes, its methods)
+            return getattr(self.__dict__["_mirror"], name)
 
     def forward(self, *args, **kwargs):
         if self._on_call is not None:

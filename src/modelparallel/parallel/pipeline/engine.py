@@ -224,7 +224,8 @@ class PipelineEngine:
         held = self.held_modules()
         everything = layout.all_modules()
         self._stubs = {path: cut.Stub(self.module.get_submodule(path), None,
-                                      ctx.precision.param_dtype)
+                                      ctx.precision.param_dtype, path=path,
+                                      holder=layout.holder(path), device=ctx.device)
                        for path in everything}
         self.gradients.shared = shared_parameters(self.module, ctx, self.held_modules)
         self._free_other_stages(everything, held)

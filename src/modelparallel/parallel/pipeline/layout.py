@@ -20,6 +20,7 @@ from modelparallel.config import Config, ConfigError
 from modelparallel.module_state import lookup
 from modelparallel.parallel.pipeline import cut, schedules
 from modelparallel.parallel.pipeline import partition as balancing
+from modelparallel.parallel.pipeline.absent import Holder
 from modelparallel.parallel.pipeline.trace import Trace
 
 
@@ -59,6 +60,12 @@ class PipelineLayout:
         for stage in self.stage_ids(pp_rank):
             held += [m for m in self.split.modules_of(stage) if m not in held]
         return held
+
+    def holder(self, path: str) -> Holder:
+        """The first stage holding the unit at ``path`` and the pipeline rank running it."""
+        stage = next(s for s in range(self.split.stages) if path in self.split.modules_of(s))
+        return Holder(stage, schedules.rank_of_stage(self.schedule, stage, self.ranks,
+                                                     self.stages_per_rank))
 
     def all_modules(self) -> list[str]:
         """Paths of every module some stage holds: the units."""
