@@ -61,6 +61,7 @@ from modelparallel.parallel import (
 from modelparallel.parallel.clip import fsdp1_clip_grad_norm_
 from modelparallel.parallel.placement import holds_tensor_parallel
 from modelparallel.parallel.precision import fsdp1_policy, require_loss_scaling
+from modelparallel.parallel.sharding import say_what_does_not_apply
 
 logger = logging.getLogger("modelparallel")
 
@@ -161,6 +162,7 @@ def construct(fsdp: FullyShardedDataParallel, module: nn.Module, arguments: dict
         original_init(fsdp, module, **final)
         return
     fsdp1_limits.check_module(module, split)
+    say_what_does_not_apply(ctx, "FullyShardedDataParallel")
     before = dict(module.named_parameters())
     with fsdp1_torch.keep_sharded_strategy(split):
         original_init(fsdp, module, **final)

@@ -140,12 +140,17 @@ def shard(model: nn.Module, ctx: ParallelContext, *, blocks: BlockSpec = None,
 
 
 def say_what_does_not_apply(ctx: ParallelContext, call: str = "mp.shard()") -> None:
-    """One line each for keys that do nothing under mp.shard / mp.replicate (rank 0)."""
+    """One line each for keys that do nothing under mp.shard / mp.replicate / a script's
+    FSDP1 (rank 0): they are SMP v1's, for models inside mp.DistributedModel."""
     if ctx.rank != 0:
         return
     if ctx.config.microbatches > 1:
         logger.warning("microbatches=%d has no effect on %s: it splits the batches of "
                        "@mp.step functions (mp.DistributedModel)", ctx.config.microbatches, call)
+    if ctx.config.offload_activations:
+        logger.warning("offload_activations (SMP v1) offloads the checkpointed modules of "
+                       "mp.DistributedModel and has no effect on %s; offload with "
+                       "sm_activation_offloading and torch's offload_wrapper (SMP v2)", call)
     if call != "mp.shard()":
         return
     if ctx.config.ddp:

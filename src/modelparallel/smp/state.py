@@ -325,10 +325,6 @@ def init(config: Config | dict | str | os.PathLike | None = None,
     fsdp1_hook.install(state)  # unchanged FSDP1 scripts follow hybrid_shard_degree
     if state.rank == 0:
         logger.info("modelparallel initialized: %s", topology.describe())
-        if cfg.offload_activations:  # no effect on models outside DistributedModel
-            logger.warning("offload_activations (SMP v1) offloads the checkpointed modules of "
-                        "mp.DistributedModel; an FSDP or mp.shard model offloads with "
-                        "sm_activation_offloading and torch's offload_wrapper (SMP v2)")
     return state
 
 
