@@ -51,13 +51,13 @@ def measured_peaks(config: dict, world: int) -> list[int]:
                      mp.state.context.device)
 
 
-# with tensor parallelism a real step holds one copy of the CPU generator's state (5,056
-# bytes, 0.03% here) that the simulation does not see (issue 28: not found yet)
-TP_SHORTFALL = pytest.mark.xfail(strict=True, reason="one CPU generator state short")
+# hsd2 x tp2: rank 1's real first step holds 16 bytes (of 17.2 MB) the simulation does not
+# see (issue 28: not found yet); strict, so the test says when it is
+SHORT_BY_16_BYTES = pytest.mark.xfail(strict=True, reason="rank 1 planned 16 bytes short")
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=TP_SHORTFALL) if "tp" in name
-                                    else name for name in LAYOUTS])
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=SHORT_BY_16_BYTES)
+                                    if name == "hsd2 x tp2" else name for name in LAYOUTS])
 def test_planned_peak_covers_memtrackers_and_is_within_5_percent(workers, layout):
     from modelparallel.plan import plan_job
 

@@ -228,11 +228,11 @@ def _visit(t: torch.Tensor, found: dict[int, int],
         return
     try:
         storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # no storage (sparse, functional wrappers)
-        return
-    if storage.device.type != "cpu":
-        return
-    addr, nbytes = storage.data_ptr(), storage.nbytes()
+        if storage.device.type != "cpu":
+            return
+        addr, nbytes = storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, functional wrappers,
+        return  # the pipeline's stand-ins for other stages' parameters)
     if addr == 0 or nbytes == 0 or addr in found:
         return
     found[addr] = nbytes

@@ -76,6 +76,7 @@ class StepTracker(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self._fake_mode: Any = None
         self._resize: Any = None
+        self._get_rng_state: Any = None
 
     def __enter__(self) -> StepTracker:
         self._fake_mode = active_fake_mode()
@@ -94,12 +95,23 @@ class StepTracker(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        self._get_rng_state = torch.get_rng_state
+
+        def get_rng_state() -> torch.Tensor:
+            # a copy of the CPU generator's state (5 KB), made outside the dispatcher: the
+            # tensor-parallel randomness rule holds one per region it is inside
+            state = tracker._get_rng_state()
+            tracker._count(state.untyped_storage())
+            return state
+
+        torch.get_rng_state = get_rng_state
         super().__enter__()
         return self
 
     def __exit__(self, *args: Any) -> None:
         super().__exit__(*args)
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        torch.get_rng_state = self._get_rng_state
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
