@@ -19,9 +19,17 @@ def unwritable_dir(tmp_path: Path) -> Path:
 
 def test_sys_exit_is_named_and_each_restart_announced(modelparallel, script, tmp_path):
     path = script("""
-        import os, sys
+        import os, pathlib, sys, time
         print("hello from rank", os.environ["RANK"], flush=True)
-        if os.environ["RANK"] == "1":
+        # rank 1 fails once rank 0 has said hello (else the group may stop rank 0 first)
+        said = pathlib.Path(__file__).with_name(
+            "said-" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if os.environ["RANK"] == "0":
+            said.touch()
+        else:
+            while not said.exists():
+                time.sleep(0.05)
+            time.sleep(1)  # the launcher's tail of rank 0's output reads it meanwhile
             sys.exit(3)
     """)
     run_dir = tmp_path / "run"
@@ -30,11 +38,11 @@ def test_sys_exit_is_named_and_each_restart_announced(modelparallel, script, tmp
     assert ran.code == 3, ran.all
     restarts = [line for line in ran.err.splitlines() if "restarting" in line]
     assert restarts == [f"modelparallel run: rank 1 failed (exit code 3, SystemExit: the "
-                        f"script exited with code 3 at {path}:5); restarting the worker "
+                        f"script exited with code 3 at {path}:13); restarting the worker "
                         f"group (restart 1 of 1)"], ran.err
     assert "rank 1 (local rank 1) failed first with exit code 3" in ran.err
     assert "  error: SystemExit: the script exited with code 3" in ran.err
-    assert f"  in your code: {path}:5: sys.exit(3)" in ran.err
+    assert f"  in your code: {path}:13: sys.exit(3)" in ran.err
     assert "To enable traceback" not in ran.all
     # rank 1's output is filtered from the terminal, not from its log
     assert ran.out.count("[rank0]: hello from rank 0") == 2 and "rank 1" not in ran.out
