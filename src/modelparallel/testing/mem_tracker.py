@@ -12,7 +12,6 @@ counted, so its peak is the peak of tensors alone, the planner's ``peak_tensor_b
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
@@ -65,10 +64,6 @@ def run_peaks(script_of: Any, steps: int, device: torch.device) -> list[int]:
         script = script_of()
     peaks = [tracker.peak_bytes(device)]
     for _ in range(steps):
-        # garbage in reference cycles goes now, not whenever Python's cycle collector
-        # happens to run (once, in the suite, a step measured 519 KB more, about one
-        # step's logits, that the collector freed later)
-        gc.collect()
         with tracker:  # entering starts the peak from the bytes live now
             script.step()
         peaks.append(tracker.peak_bytes(device))
