@@ -137,28 +137,28 @@ def _load() -> None:
     globals().update({k: v for k, v in locals().items() if k in __all__})
 
 
+def _smp_face(name: str) -> property:
+    """The package attribute ``name``: SMP's module ``_SMP_FACES[name]`` (the public API
+    loaded first); the import system's assignment of the subpackage of that name is
+    ignored (``modelparallel.<name>`` stays importable by its path)."""
+
+    def get(package: types.ModuleType) -> types.ModuleType:
+        _load()
+        return importlib.import_module(_SMP_FACES[name])
+
+    def keep(package: types.ModuleType, subpackage: types.ModuleType) -> None:
+        pass
+
+    return property(get, keep)
+
+
 class _Package(types.ModuleType):
     """This package's module type: ``checkpoint`` and ``observe`` stay SMP's modules
     when the subpackages of those names are imported (the import system sets the
     package's attribute to a subpackage it imports)."""
 
-    @property
-    def checkpoint(self) -> types.ModuleType:
-        _load()
-        return importlib.import_module(_SMP_FACES["checkpoint"])
-
-    @checkpoint.setter
-    def checkpoint(self, subpackage: types.ModuleType) -> None:
-        pass  # modelparallel.checkpoint stays importable by its path
-
-    @property
-    def observe(self) -> types.ModuleType:
-        _load()
-        return importlib.import_module(_SMP_FACES["observe"])
-
-    @observe.setter
-    def observe(self, subpackage: types.ModuleType) -> None:
-        pass  # modelparallel.observe stays importable by its path
+    checkpoint = _smp_face("checkpoint")
+    observe = _smp_face("observe")
 
 
 def __getattr__(name: str) -> Any:
