@@ -39,6 +39,7 @@ def _load() -> None:
     from modelparallel import data, models  # models: registers the built-in TP plans
     from modelparallel.checkpoint import CheckpointError
     from modelparallel.config import Config, ConfigError
+    from modelparallel.data.sequences import split_for_context_parallel
     from modelparallel.data.tokens import global_token_count
     from modelparallel.parallel.activation import set_activation_checkpointing
     from modelparallel.parallel.blocks import find_blocks
@@ -266,6 +267,7 @@ __all__ = [
     "shard",
     "shutdown",
     "size",
+    "split_for_context_parallel",
     "state",
     "step",
     "tensor_parallelism",

@@ -45,8 +45,9 @@ class Config:
            "ranks and replicate over the rest", minimum=0)
     sharded_data_parallel_degree: int = _key(
         1, "SMP v1 sharded data parallelism; k>=2 means hybrid_shard_degree=k", minimum=1)
-    context_parallel_degree: int = _key(1, "ranks a sequence is split over", minimum=1,
-                                        not_built="context parallelism is not built yet")
+    context_parallel_degree: int = _key(
+        1, "ranks a sequence is split over (they shard the model together: a divisor of "
+           "the shard degree)", minimum=1)
     expert_parallel_degree: int = _key(1, "ranks mixture-of-experts layers are split over",
                                        minimum=1,
                                        not_built="expert parallelism is not built yet")
@@ -251,9 +252,11 @@ class Config:
         return "fp16" if (self.fp16 or self.fp16_params) else None
 
     def model_parallel_product(self) -> int:
-        """Ranks one model replica spans: pp x tp x cp x ep."""
+        """Ranks that hold different parts of one model: pp x tp x ep. (The ranks of a
+        context-parallel group hold the same parameters, sharded among the data-parallel
+        ranks; they differ in the part of each sequence they compute.)"""
         return (self.tensor_parallel_degree * self.pipeline_parallel_degree
-                * self.context_parallel_degree * self.expert_parallel_degree)
+                * self.expert_parallel_degree)
 
     @property
     def shard_degree(self) -> int:
@@ -317,6 +320,13 @@ class Config:
         problems.extend(schedule_rules.check_schedule(
             self.pipeline, self.stages_per_rank, self.microbatches,
             self.pipeline_parallel_degree, self.active_microbatches))
+        cp = self.context_parallel_degree
+        if cp > 1 and self.pipeline_parallel_degree > 1:
+            problems.append(("context_parallel_degree",
+                             f"{cp} cannot be combined with pipeline_parallel_degree="
+                             f"{self.pipeline_parallel_degree}: context parallelism works on "
+                             "models given to tsm.transform (SMP v2, which has no pipeline); "
+                             "set one of them to 1"))
         sdp = self.sharded_data_parallel_degree
         if sdp > 1 and self.shard_optimizer_state:
             problems.append(("shard_optimizer_state",

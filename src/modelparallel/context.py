@@ -63,6 +63,11 @@ class ParallelContext:
         dims = GROUP_DIMS[group]
         return self.meshes[dims[0] if len(dims) == 1 else group.value].get_group()
 
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel group of this rank (None without context parallelism)."""
+        return self.meshes["cp"].get_group() if "cp" in self.meshes else None
+
     def data_parallel_mesh(self) -> DeviceMesh:
         """The mesh FSDP works on: ``dp_shard`` alone, or ``(dp_replicate, dp_shard)``."""
         if self.topology.dp_replicate == 1:

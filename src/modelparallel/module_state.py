@@ -36,6 +36,9 @@ class ModuleState:
     stored_shapes: dict[str, tuple[int, ...]] | None = None  # Conv1D: the full shapes
     init_args: tuple[tuple, dict] | None = None  # SMP: a registered class's arguments
     tp_options: dict[str, Any] | None = None  # SMP: tensor_parallelism(**options) at creation
+    # context parallelism: its SequenceSplit (parallel/context_parallel/hugging_face.py),
+    # on the model and on each attention module
+    context_parallel: Any = None
     # pipeline parallelism
     partition: int | None = None  # the stage mp.partition / set_partition gave it
     # activations

@@ -69,13 +69,19 @@ GROUP_DIMS: dict[CommGroup, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Topology:
-    """How ``world_size`` ranks are laid out over pp x dp_replicate x dp_shard x tp."""
+    """How ``world_size`` ranks are laid out over pp x dp_replicate x dp_shard x tp.
+
+    ``cp`` context-parallel ranks split each sequence: they are consecutive ranks of a
+    ``dp_shard`` group (they shard the model together, as in SMP v2, and their gradients
+    are averaged with the other data-parallel ranks'), and read the same samples.
+    """
 
     pp: int
     dp_replicate: int
     dp_shard: int
     tp: int
     order: str = "DPT"  # placement strategy as letters, outermost first
+    cp: int = 1  # a divisor of dp_shard
 
     @classmethod
     def from_config(cls, config: Config, world_size: int) -> Topology:
@@ -85,7 +91,7 @@ class Topology:
         shard = shard_size(config, world_size)
         return cls(pp=config.pipeline_parallel_degree, dp_replicate=dp // shard,
                    dp_shard=shard, tp=config.tensor_parallel_degree,
-                   order=config.placement_order)
+                   order=config.placement_order, cp=config.context_parallel_degree)
 
     @property
     def world_size(self) -> int:
@@ -145,9 +151,32 @@ class Topology:
     def size_of(self, group: CommGroup) -> int:
         return math.prod(self.dim_size(d) for d in GROUP_DIMS[group])
 
+    def cp_rank(self, rank: int) -> int:
+        """The index of ``rank`` in its context-parallel group."""
+        return self.coordinate(rank)["dp_shard"] % self.cp
+
+    def cp_groups(self) -> list[list[int]]:
+        """Every context-parallel group, as its ranks in cp-rank order."""
+        return [shard[i:i + self.cp] for shard in self.all_groups(("dp_shard",))
+                for i in range(0, len(shard), self.cp)]
+
+    def reading_rank(self, rank: int, group: CommGroup) -> tuple[int, int]:
+        """``(index, count)`` of the samples ``rank`` reads among the ranks of ``group``
+        (data parallel, or reduced data parallel) that read different samples: the
+        ranks of a context-parallel group read the same ones."""
+        index, size = self.rank_in(rank, group), self.size_of(group)
+        if self.cp == 1:
+            return index, size
+        if group is CommGroup.RDP_GROUP:
+            return index // self.cp, size // self.cp
+        if group is CommGroup.DP_GROUP:  # rdp x tp, tp varying fastest
+            return (index // self.tp // self.cp) * self.tp + index % self.tp, size // self.cp
+        raise ValueError(f"{group} is not a data-parallel group")
+
     def describe(self) -> str:
         dims = " x ".join(f"{d}={self.dim_size(d)}" for d in self.dim_names)
-        return f"{self.world_size} ranks: {dims} (placement {self.order})"
+        cp = f", cp={self.cp} within dp_shard" if self.cp > 1 else ""
+        return f"{self.world_size} ranks: {dims}{cp} (placement {self.order})"
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -159,9 +188,11 @@ def build_mesh(topology: Topology, device_type: str):
 
     Needs the default process group. Returns ``(root, meshes)``: the root mesh has the
     four dims of ``topology.dim_names``; ``meshes`` maps ``rdp`` (dp_replicate x
-    dp_shard), ``dp`` (rdp x tp), ``mp`` (pp x tp) and each dim name to a 1-D mesh.
+    dp_shard), ``dp`` (rdp x tp), ``mp`` (pp x tp), each dim name and, with context
+    parallelism, ``cp`` to a 1-D mesh.
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     mesh = init_device_mesh(device_type, topology.shape, mesh_dim_names=topology.dim_names)
     meshes = {}
@@ -169,13 +200,17 @@ def build_mesh(topology: Topology, device_type: str):
         dims = tuple(d for d in topology.dim_names if d in GROUP_DIMS[group])
         meshes[group.value] = mesh[dims]._flatten(group.value)
     meshes.update((d, mesh[d]) for d in topology.dim_names)
+    if topology.cp > 1:  # consecutive ranks of dp_shard: no dim of the root mesh
+        groups = torch.tensor(topology.cp_groups())
+        meshes["cp"] = DeviceMesh(device_type, groups, mesh_dim_names=("cp_groups", "cp"))["cp"]
     return mesh, meshes
 
 
 # -- what the degrees mean for a world size ----------------------------------------------
 
 def data_parallel_size(config: Config, world_size: int) -> int:
-    """Ranks that hold the same model part: world / (pp x tp x cp x ep)."""
+    """Ranks that hold the same model part: world / (pp x tp x ep) (context-parallel
+    ranks included)."""
     return world_size // config.model_parallel_product()
 
 
@@ -194,7 +229,8 @@ def check_world(config: Config, world_size: int) -> None:
     product = config.model_parallel_product()
     if world_size % product:
         factors = " x ".join(
-            f"{k}={getattr(config, k)}" for k in DEGREE_KEYS if getattr(config, k) > 1)
+            f"{k}={getattr(config, k)}" for k in DEGREE_KEYS
+            if getattr(config, k) > 1 and k != "context_parallel_degree")
         problems.append((
             "tensor_parallel_degree" if config.tensor_parallel_degree > 1
             else "pipeline_parallel_degree",
@@ -216,8 +252,27 @@ def check_world(config: Config, world_size: int) -> None:
         elif config.pipeline_parallel_degree > 1 and \
                 _pipeline_shards(config, degree or dp):
             problems += schedule_rules.check_sharded_stages(config.pipeline, degree or dp)
+        elif (degree or dp) % config.context_parallel_degree:
+            problems.append(_context_parallel_problem(config, degree, dp))
     if problems:
         raise ConfigError(problems)
+
+
+def _context_parallel_problem(config: Config, degree: int, dp: int) -> tuple[str, str]:
+    """SMP's rule: the ranks of a context-parallel group shard the model together, so the
+    context-parallel degree divides the shard degree."""
+    cp = config.context_parallel_degree
+    if not degree:
+        return ("context_parallel_degree",
+                f"{cp} does not divide the {dp} data-parallel ranks the model is sharded over "
+                f"(hybrid_shard_degree=0); valid values: {', '.join(map(str, _divisors(dp)))}")
+    key = "hybrid_shard_degree" if config.hybrid_shard_degree else \
+        "sharded_data_parallel_degree"
+    multiples = [d for d in [0, *_divisors(dp)] if d == 0 or d % cp == 0]
+    return (key, f"{degree} is not a multiple of context_parallel_degree={cp}: the ranks of a "
+                 f"context-parallel group shard the model together (as in SMP v2, "
+                 f"context_parallel_degree <= hybrid_shard_degree); valid values: "
+                 f"{', '.join(map(str, multiples))}")
 
 
 def fits(config: Config, world_size: int) -> bool:

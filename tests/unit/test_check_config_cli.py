@@ -131,11 +131,11 @@ class TestNoEffectAndRefusedKeys:
 
     def test_refused_key_fails_with_reason(self, capsys, tmp_path):
         path = tmp_path / "mp.yaml"
-        path.write_text("context_parallel_degree: 2\n")
+        path.write_text("expert_parallel_degree: 2\n")
         code, out, err = check_config(capsys, str(path))
         assert code == 1
         assert "OK" not in out
-        assert ("context_parallel_degree: 2 is not supported yet (context parallelism is not "
+        assert ("expert_parallel_degree: 2 is not supported yet (expert parallelism is not "
                 "built yet); valid value: 1") in err
 
 
@@ -184,8 +184,8 @@ class TestList:
         assert lines["ddp_port"].endswith(
             "[no effect here: the default process group uses the launcher's rendezvous "
             "(MASTER_ADDR/MASTER_PORT); data-parallel groups are sub-groups of it]")
-        assert lines["context_parallel_degree"].endswith(
-            "[only the default is accepted: context parallelism is not built yet]")
+        assert lines["expert_parallel_degree"].endswith(
+            "[only the default is accepted: expert parallelism is not built yet]")
 
     def test_list_with_file_checks_it_too(self, capsys, valid_file):
         code, out, _ = check_config(capsys, "--list", valid_file)

@@ -13,6 +13,7 @@ from modelparallel.config import Config, ConfigError
 from modelparallel.config_files import read_config_file
 from modelparallel.precision_policy import PrecisionPolicy
 from modelparallel.topology import (
+    CommGroup,
     DataParallelLayout,
     Topology,
     Wrapper,
@@ -452,7 +453,8 @@ class TestCombinations:
 # Every key with an effect: it does what SMP documents. A key added to Config must be
 # put here, given a no-effect reason, or refused when not at its default (not_built).
 EFFECT_KEYS = {
-    "tensor_parallel_degree", "pipeline_parallel_degree", "hybrid_shard_degree",
+    "tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree",
+    "hybrid_shard_degree",
     "sharded_data_parallel_degree", "placement_strategy", "microbatches", "pipeline",
     "virtual_stages", "active_microbatches", "auto_partition", "default_partition",
     "memory_weight", "optimize", "ddp", "ddp_dist_backend", "collective_timeout",
@@ -496,8 +498,6 @@ NO_EFFECT = {
 
 # key: (a non-default value, the whole ConfigError message for the key)
 REFUSED = {
-    "context_parallel_degree": (2, "2 is not supported yet (context parallelism is not built "
-                                   "yet); valid value: 1"),
     "expert_parallel_degree": (2, "2 is not supported yet (expert parallelism is not built "
                                   "yet); valid value: 1"),
     "horovod": (True, "True is not supported yet (modelparallel uses torch.distributed, not "
@@ -625,9 +625,9 @@ class TestRefusedKeys:
         assert caplog.records == []
 
     def test_refused_key_from_mp_config(self):
-        err = error_of({}, MP_CONFIG=json.dumps({"context_parallel_degree": 2}))
-        assert message_for(err, "context_parallel_degree") == \
-            REFUSED["context_parallel_degree"][1]
+        err = error_of({}, MP_CONFIG=json.dumps({"expert_parallel_degree": 2}))
+        assert message_for(err, "expert_parallel_degree") == \
+            REFUSED["expert_parallel_degree"][1]
 
 
 class TestActivationOffloading:
@@ -801,6 +801,48 @@ class TestWorldSize:
         config = load(given)
         assert data_parallel_size(config, world) == dp
         assert shard_size(config, world) == shard
+
+
+class TestContextParallelLayout:
+    """SMP's rule: the context-parallel ranks shard the model together (cp divides the
+    shard degree); they are consecutive ranks of dp_shard and read the same samples."""
+
+    def test_cp_ranks_lie_inside_the_shard_group(self):
+        config = load({"context_parallel_degree": 2, "hybrid_shard_degree": 2})
+        topology = Topology.from_config(config, 4)
+        assert (topology.dp_replicate, topology.dp_shard, topology.cp) == (2, 2, 2)
+        assert topology.cp_groups() == [[0, 1], [2, 3]]
+        assert [topology.cp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+        # the samples: one stream per cp group, as the v2 scripts' rank // (tp * cp)
+        assert [topology.reading_rank(r, CommGroup.RDP_GROUP) for r in range(4)] == \
+            [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+    def test_with_tensor_parallelism_tp_varies_fastest(self):
+        config = load({"context_parallel_degree": 2, "tensor_parallel_degree": 2,
+                       "hybrid_shard_degree": 2})
+        topology = Topology.from_config(config, 8)
+        assert topology.cp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+        assert [topology.reading_rank(r, CommGroup.RDP_GROUP)[0] for r in range(8)] == \
+            [r // 4 for r in range(8)]
+
+    @pytest.mark.parametrize("given, world, key, message", [
+        ({"context_parallel_degree": 2, "hybrid_shard_degree": 1}, 4, "hybrid_shard_degree",
+         "1 is not a multiple of context_parallel_degree=2: the ranks of a context-parallel "
+         "group shard the model together (as in SMP v2, context_parallel_degree <= "
+         "hybrid_shard_degree); valid values: 0, 2, 4"),
+        ({"context_parallel_degree": 3}, 4, "context_parallel_degree",
+         "3 does not divide the 4 data-parallel ranks the model is sharded over "
+         "(hybrid_shard_degree=0); valid values: 1, 2, 4"),
+    ])
+    def test_a_degree_that_does_not_fit_is_refused(self, given, world, key, message):
+        with pytest.raises(ConfigError) as err:
+            Topology.from_config(load(given), world)
+        assert message_for(err.value, key) == message
+
+    def test_with_a_pipeline_refused(self):
+        err = error_of({"context_parallel_degree": 2, "pipeline_parallel_degree": 2})
+        assert "cannot be combined with pipeline_parallel_degree=2" in \
+            message_for(err, "context_parallel_degree")
 
 
 @pytest.mark.parametrize("keys, explicit, sets_layout", [

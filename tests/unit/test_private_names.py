@@ -155,6 +155,9 @@ ATTRIBUTES = {
     "_fields": Private("tuple subclasses made by namedtuple", "namedtuple's protocol"),
     "_SubParsersAction": Private("argparse", "the type of add_subparsers()"),
     "_no_split_modules": Private("transformers.PreTrainedModel", "a model's block classes"),
+    "_attn_implementation": Private("transformers.PretrainedConfig",
+                                    "context parallelism: which attention a model runs "
+                                    "(transformers has no public getter)"),
 }
 
 
@@ -235,3 +238,4 @@ def test_python_and_transformers_privates_are_where_we_reach_them():
     assert callable(atexit._run_exitfuncs)
     assert isinstance(argparse.ArgumentParser().add_subparsers(), argparse._SubParsersAction)
     assert hasattr(transformers.PreTrainedModel, "_no_split_modules")
+    assert transformers.LlamaConfig(attn_implementation="sdpa")._attn_implementation == "sdpa"

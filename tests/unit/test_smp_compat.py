@@ -215,7 +215,8 @@ def test_v2_refusals_and_no_effect_calls(caplog):
     from modelparallel.tensor_parallel.transformer import TETransformerLayer
 
     assert state is modelparallel.state and modelparallel.state_mod.state is state
-    with pytest.raises(NotImplementedError, match=r"context parallelism .* not supported yet"):
+    with pytest.raises(NotImplementedError, match=r"uses no Transformer Engine modules: its "
+                       r"context parallelism is built into tsm.transform"):
         setup_transformer_engine_cp_groups(None, [0, 1])
     with pytest.raises(NotImplementedError, match=r"expert parallelism .* not supported yet"):
         MoELayer(MoEConfig())

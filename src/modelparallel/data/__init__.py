@@ -21,11 +21,12 @@ def replica_rank_and_size() -> tuple[int, int]:
 
     As SMP v1: ``(dp_rank, dp_size)``, so the pipeline stages of one replica read the
     same samples; with ``prescaled_batch`` the ranks of a tensor-parallel group read
-    the same samples too, ``(rdp_rank, rdp_size)``.
+    the same samples too, ``(rdp_rank, rdp_size)``. The ranks of a context-parallel
+    group read the same samples (each computes its part of every sequence).
     """
     s = state.require("mp.data").context
     group = CommGroup.RDP_GROUP if s.config.prescaled_batch else CommGroup.DP_GROUP
-    return s.topology.rank_in(s.rank, group), s.topology.size_of(group)
+    return s.topology.reading_rank(s.rank, group)
 
 
 def check_microbatches(batch_size: int, microbatches: int, *, where: str = "the batch") -> None:

@@ -79,7 +79,11 @@ def global_token_count(labels: torch.Tensor, ignore_index: int = token_count.IGN
     mb = running_microbatch()
     if mb is None or _step is None:
         microbatches = ctx.config.microbatches if registry.model() is not None else 1
-        local = token_count.valid_targets(labels, ignore_index, shift=shift)
+        if shift and ctx.topology.cp > 1:  # this rank holds chunks: shift on the whole
+            local = token_count.valid_targets_of_chunks(
+                labels, ignore_index, holds_start=ctx.topology.cp_rank(ctx.rank) == 0)
+        else:
+            local = token_count.valid_targets(labels, ignore_index, shift=shift)
         return token_count.reduce_count(local, ctx, microbatches=microbatches, count=count)
     step = _step
     position = step.position(labels) if isinstance(labels, torch.Tensor) else None

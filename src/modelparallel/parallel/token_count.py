@@ -58,6 +58,17 @@ def valid_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX, *,
     return (labels != ignore_index).sum(dtype=torch.int64)
 
 
+def valid_targets_of_chunks(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX, *,
+                            holds_start: bool) -> torch.Tensor:
+    """The targets of a shifting causal-LM loss among a context-parallel rank's chunks
+    of each sequence: every label but the first position of a whole sequence, which
+    only the rank holding the sequences' start (``holds_start``: its first label) has."""
+    count = valid_targets(labels, ignore_index)
+    if holds_start and labels.dim() > 0 and labels.shape[-1]:
+        count = count - (labels[..., 0] != ignore_index).sum(dtype=torch.int64)
+    return count
+
+
 def reduce_count(local: torch.Tensor, ctx: ParallelContext, *, microbatches: int = 1,
                  count: bool = False) -> torch.Tensor:
     """The divisor ``C / K`` from this rank's count ``local`` (of the whole step).

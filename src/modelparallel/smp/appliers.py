@@ -3,23 +3,21 @@ the context of the current ``mp.init()``. The work is done in ``modelparallel.pa
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from modelparallel.notices import notice
 from modelparallel.observe.fit_check import warn_if_state_cannot_fit
+from modelparallel.parallel import context_parallel, sharding, stale_params, unused_grads
 from modelparallel.parallel import replicate as replicating
-from modelparallel.parallel import sharding, stale_params, unused_grads
 from modelparallel.parallel.blocks import BlockSpec
 from modelparallel.parallel.tensor import transform as splitting  # the module
 from modelparallel.smp.state import state
 from modelparallel.smp.v2.moe import NOT_SUPPORTED as MOE_NOT_SUPPORTED
 from modelparallel.smp.v2.moe import MoEConfig
-
-logger = logging.getLogger("modelparallel")
 
 
 def transform(model: nn.Module, device: torch.device | str | None = None,
@@ -35,13 +33,14 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
             f"config=None")
     if cp_comm_type not in ("p2p", "all_gather"):
         raise ValueError(f"cp_comm_type={cp_comm_type!r}; SMP accepts 'p2p' or 'all_gather'")
-    if cp_comm_type != "p2p" and ctx.rank == 0:
-        logger.warning("transform(cp_comm_type=%r) has no effect: context parallelism is not "
-                    "built (context_parallel_degree is 1)", cp_comm_type)
+    if cp_comm_type != "p2p" and ctx.topology.cp == 1:
+        notice("transform(cp_comm_type=%r) has no effect: context_parallel_degree is 1",
+               cp_comm_type)
     before = dict(model.named_parameters())
     model = splitting.transform(model, ctx, sequence_parallel=sequence_parallel,
                                 loss_parallel=loss_parallel, device=device, dtype=dtype,
                                 weights_from_rank0=load_state_dict_from_rank0)
+    model = context_parallel.apply(model, ctx, cp_comm_type)
     stale_params.record_replaced(before, model, "mp.transform()")
     if ctx.topology.dp_shard == 1:  # else the sharding that follows checks
         warn_if_state_cannot_fit(model, ctx.rank, ctx.device, "mp.transform")
@@ -51,6 +50,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
 def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: bool | None = None,
           mp_policy: MixedPrecisionPolicy | None = None, **fully_shard_kwargs: Any) -> nn.Module:
     ctx = state.require("mp.shard()").context
+    context_parallel.require_split(model, ctx, "mp.shard()")
     group = ctx.gradient_group(splitting.tp_ranks_are_replicas(
         model, ctx.topology.tp))
     before = dict(model.named_parameters())
@@ -65,6 +65,7 @@ def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: 
 
 def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
     ctx = state.require("mp.replicate()").context
+    context_parallel.require_split(model, ctx, "mp.replicate()")
     group = ctx.gradient_group(splitting.tp_ranks_are_replicas(
         model, ctx.topology.tp))
     before = dict(model.named_parameters())
@@ -77,8 +78,13 @@ def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
 
 transform.__doc__ = (splitting.transform.__doc__ or "") + """
     SMP v2's arguments: ``load_state_dict_from_rank0`` is ``weights_from_rank0`` above;
-    ``config`` (a ``MoEConfig`` or SMP transformer options) raises NotImplementedError;
-    ``cp_comm_type`` is checked and has no effect (context parallelism is not built).
+    ``config`` (a ``MoEConfig`` or SMP transformer options) raises NotImplementedError.
+
+    With ``context_parallel_degree`` > 1 the model (a Hugging Face Llama, Mistral,
+    Qwen2/3 or GPT-NeoX causal LM) then takes this rank's chunks of each sequence (SMP's
+    split: ``mp.split_for_context_parallel``) and trains as one process on the whole
+    sequences; ``cp_comm_type`` chooses how keys and values travel: ``"p2p"`` (a ring
+    overlapping attention) or ``"all_gather"`` (docs/context-parallel.md).
     """
 shard.__doc__ = sharding.shard.__doc__
 replicate.__doc__ = replicating.replicate.__doc__

@@ -195,8 +195,8 @@ class State:
 
     @property
     def cp_rank(self) -> int:
-        self._ctx("cp_rank")
-        return 0  # context parallelism is not built: the degree is 1
+        """This rank's index in its context-parallel group (which chunks it holds)."""
+        return self._ctx("cp_rank").topology.cp_rank(dist.get_rank())
 
     @property
     def ep_size(self) -> int:
@@ -239,9 +239,10 @@ class State:
 
     @property
     def cp_process_group(self) -> dist.ProcessGroup:
-        """This rank alone (context parallelism is not built). Made on first use by
-        every rank together, like any process group."""
-        return self._singleton("cp_process_group")
+        """The ranks that split this rank's sequences (this rank alone when
+        ``context_parallel_degree`` is 1: made on first use by every rank together)."""
+        group = self._ctx("cp_process_group").cp_group
+        return group if group is not None else self._singleton("cp_process_group")
 
     @property
     def ep_process_group(self) -> dist.ProcessGroup:

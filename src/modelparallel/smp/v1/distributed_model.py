@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from modelparallel.errors import ConfigError
 from modelparallel.module_state import state_of
 from modelparallel.observe.run_output import write_schedule
 from modelparallel.parallel.pipeline.engine import PipelineEngine
@@ -77,6 +78,11 @@ class DistributedModel(nn.Module):
                  gradient_as_bucket_view: bool = False):
         super().__init__()
         ctx = state.require("mp.DistributedModel").context
+        if ctx.topology.cp > 1:
+            raise ConfigError([("context_parallel_degree", (
+                f"{ctx.topology.cp}: context parallelism is SMP v2's (tsm.transform, then "
+                "FSDP or mp.shard); mp.DistributedModel (SMP v1) does not split sequences. "
+                "Set context_parallel_degree to 1"))])
         self.options = ModelOptions(
             trace_device, trace_execution_times, trace_memory_usage, overlapping_allreduce,
             backward_passes_per_step, average_grads_across_microbatches, bucket_cap_mb,

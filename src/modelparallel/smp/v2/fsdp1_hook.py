@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from modelparallel.parallel import fsdp1, fsdp1_state, fsdp1_torch
+from modelparallel.parallel import context_parallel, fsdp1, fsdp1_state, fsdp1_torch
 
 if TYPE_CHECKING:
     from modelparallel.smp.state import State
 
 _original_init = FullyShardedDataParallel.__init__
+_constructing: list[Any] = []  # the FSDP1 units being made, outermost first
 _signature = inspect.signature(_original_init)
 
 
@@ -38,7 +39,13 @@ def install(state: State) -> None:
             bound = _signature.bind(self, module, *args, **kwargs)
             arguments = {k: v for k, v in bound.arguments.items()
                          if k not in ("self", "module")}
-            fsdp1.construct(self, module, arguments, ctx, _original_init)
+            if not _constructing:  # the root (its auto-wrap makes the inner units)
+                context_parallel.require_split(module, ctx, "FullyShardedDataParallel")
+            _constructing.append(module)
+            try:
+                fsdp1.construct(self, module, arguments, ctx, _original_init)
+            finally:
+                _constructing.pop()
 
     FullyShardedDataParallel.__init__ = init_with_policy  # type: ignore[method-assign]
     fsdp1_state.install()

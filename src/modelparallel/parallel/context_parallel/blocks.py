@@ -1,0 +1,121 @@
+"""Causal attention of one rank's queries against one rank's keys, chunk by chunk, with
+the log-sum-exp a later merge needs, and its backward from the merged result.
+
+Queries and keys are a rank's local sequence: two chunks of the whole sequence (indices
+from ``split.chunks_of``). Under causal attention a query chunk sees a key chunk whole
+when the key chunk comes earlier, causally when it is the same chunk, and not at all when
+it comes later: pairs that see nothing are skipped, which is what balances the work.
+Scores are computed in float32 at least (as the softmax of Hugging Face's eager attention is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Segment:
+    """The keys one query chunk sees of one key block: which key chunks (0 or 1 of the
+    block) and whether the last one is the query chunk itself (causal within it)."""
+
+    keys: list[int]
+    diagonal: bool
+
+
+def segments(query_chunks: tuple[int, int], key_chunks: tuple[int, int]) -> list[Segment]:
+    """For each of the two query chunks, the key chunks of a block it sees."""
+    out = []
+    for q in query_chunks:
+        seen = [i for i, k in enumerate(key_chunks) if k <= q]
+        out.append(Segment(seen, any(key_chunks[i] == q for i in seen)))
+    return out
+
+
+def _take(x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """Chunks (0 and/or 1) of a local sequence ``x`` (B, H, L, D), concatenated."""
+    half = x.shape[-2] // 2
+    return torch.cat([x[..., i * half:(i + 1) * half, :] for i in chunks], dim=-2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, seg: Segment, scale: float) -> torch.Tensor:
+    s = (q @ k.transpose(-2, -1)) * scale
+    if seg.diagonal:  # the last chunk of the keys is the query chunk itself
+        c = q.shape[-2]
+        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        s[..., -c:] = s[..., -c:].masked_fill(~causal, float("-inf"))
+    return s
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key/value heads repeated for grouped-query attention (as Hugging Face's repeat_kv)."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           query_chunks: tuple[int, int], key_chunks: tuple[int, int],
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of local queries ``q`` (B, H, L, D) to one block of keys and values
+    (B, Hkv, L, D), all in the working dtype: the block's output (B, H, L, D) and
+    log-sum-exp (B, H, L); rows that see nothing of the block have output 0 and
+    log-sum-exp -inf."""
+    groups = q.shape[1] // k.shape[1]
+    half = q.shape[-2] // 2
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    for i, seg in enumerate(segments(query_chunks, key_chunks)):
+        if not seg.keys:
+            continue
+        rows = slice(i * half, (i + 1) * half)
+        kk = _expand(_take(k, seg.keys), groups)
+        vv = _expand(_take(v, seg.keys), groups)
+        s = _scores(q[..., rows, :], kk, seg, scale)
+        block_lse = torch.logsumexp(s, dim=-1)
+        out[..., rows, :] = torch.exp(s - block_lse.unsqueeze(-1)) @ vv
+        lse[..., rows] = block_lse
+    return out, lse
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+          block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax over the union of two key sets from each one's output and log-sum-exp
+    (``lse`` must be finite: the running result always holds the query's own chunk)."""
+    new = torch.logaddexp(lse, block_lse)
+    weight = torch.exp(block_lse - new).unsqueeze(-1)  # 0 where the block saw nothing
+    return out * torch.exp(lse - new).unsqueeze(-1) + block_out * weight, new
+
+
+def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    query_chunks: tuple[int, int], key_chunks: tuple[int, int], scale: float,
+                    lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block's share of the attention, given the merged log-sum-exp
+    ``lse`` (B, H, L), the output's gradient ``dout`` and ``delta`` = rowsum(dout * out):
+    (dq (B, H, L, D), dk and dv (B, Hkv, L, D)), in the working dtype."""
+    groups = q.shape[1] // k.shape[1]
+    half = q.shape[-2] // 2
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(k.shape[0], q.shape[1], *k.shape[2:], dtype=q.dtype, device=q.device)
+    dv = torch.zeros_like(dk)
+    for i, seg in enumerate(segments(query_chunks, key_chunks)):
+        if not seg.keys:
+            continue
+        rows = slice(i * half, (i + 1) * half)
+        kk = _expand(_take(k, seg.keys), groups)
+        vv = _expand(_take(v, seg.keys), groups)
+        qi, doi = q[..., rows, :], dout[..., rows, :]
+        p = torch.exp(_scores(qi, kk, seg, scale) - lse[..., rows].unsqueeze(-1))
+        dp = doi @ vv.transpose(-2, -1)
+        ds = p * (dp - delta[..., rows].unsqueeze(-1)) * scale
+        dq[..., rows, :] += ds @ kk
+        dk_seg = ds.transpose(-2, -1) @ qi
+        dv_seg = p.transpose(-2, -1) @ doi
+        for j, chunk in enumerate(seg.keys):
+            keys = slice(chunk * half, (chunk + 1) * half)
+            dk[..., keys, :] += dk_seg[..., j * half:(j + 1) * half, :]
+            dv[..., keys, :] += dv_seg[..., j * half:(j + 1) * half, :]
+    if groups > 1:  # sum the repeated heads back onto their key/value head
+        dk = dk.view(k.shape[0], k.shape[1], groups, *k.shape[2:]).sum(2)
+        dv = dv.view(k.shape[0], k.shape[1], groups, *k.shape[2:]).sum(2)
+    return dq, dk, dv
