@@ -210,3 +210,48 @@ def test_misuse_is_refused_in_one_message(workers):
         assert "padding masks are not supported; pass attention_mask=None and set the " \
                "labels of padding to -100" in got["padding mask"]
         assert "has 7 positions, but it holds two equal chunks" in got["odd length"]
+
+
+def resume_case(root: str) -> list[str]:
+    """Train step 0 without context parallelism (hybrid_shard_degree 1) and save; resume
+    at context parallel 2 for step 1 and save; resume without it again for step 2. The
+    end must be one process's three steps."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import modelparallel as tsm
+    from modelparallel.data import replica_rank_and_size
+    from modelparallel.testing import TrainResult, full_parameters, local_rows, parity_problems
+
+    def phase(config: dict, step: int, load_from: str | None, save_to: str):
+        tsm.reset()
+        tsm.init(config)
+        model = tsm.shard(tsm.transform(build("llama")))
+        opt = optimizer(model)
+        if load_from is not None:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            target = {"model": model_sd, "optimizer": optim_sd}
+            tsm.checkpoint.load(target, checkpoint_id=load_from)
+            set_state_dict(model, opt, model_state_dict=target["model"],
+                           optim_state_dict=target["optimizer"])
+        ids, labels = tsm.split_for_context_parallel(
+            *local_rows(batches()[step], *replica_rank_and_size()))
+        opt.zero_grad(set_to_none=True)
+        divisor = tsm.global_token_count(labels, shift=True)
+        model(input_ids=ids, labels=labels, num_items_in_batch=divisor).loss.backward()
+        opt.step()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        tsm.checkpoint.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=save_to)
+        return model
+
+    plain, split = {"hybrid_shard_degree": 1}, {"context_parallel_degree": 2}
+    phase(plain, 0, None, f"{root}/step0")
+    phase(split, 1, f"{root}/step0", f"{root}/step1")
+    model = phase(plain, 2, f"{root}/step1", f"{root}/step2")
+    _, ref_params, _ = reference("llama")
+    return parity_problems(TrainResult([], full_parameters(model)),
+                           TrainResult([], ref_params))
+
+
+def test_checkpoints_resume_across_context_parallel_layouts(workers, tmp_path):
+    for rank, problems in enumerate(workers(2).run(resume_case, root=str(tmp_path))):
+        assert problems == [], rank
