@@ -2,7 +2,7 @@
 
     python scripts/sagemaker_examples.py [--mirror OWNER/NAME=GIT_DIR ...] [--scratch DIR]
                                         [--only NAME ...] [--variant import-line|zero-lines]
-                                        [--timeout S] [--list]
+                                        [--timeout S] [--list] [--compare-one-process]
 
 Each example is extracted at its pinned commit from a git directory given with --mirror
 (e.g. one made by `git clone --mirror`), or else cloned from GitHub into the scratch directory
@@ -23,12 +23,17 @@ Missing pure-Python dependencies of the scripts (psutil, h5py, accelerate) are i
 PyPI into <scratch>/_deps (put on PYTHONPATH), unless --no-install. A results table (script,
 commit, edits, variant, result) is printed at the end; each run's output is in
 <scratch>/<example>-<variant>.log.
+
+With --compare-one-process, an example that names a one-process run (the SMP v2
+context-parallel ones) is run again on one process, same files, edits and arguments, and
+the figures it names (the batch-0 loss and gradient norm) must agree within its rtol.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import os
 import re
@@ -39,6 +44,7 @@ import time
 from pathlib import Path
 
 from examples_catalog import EXAMPLES, Edit, Example
+from examples_catalog_smp2 import SMP2_EXAMPLES
 from smp_name_scan import FileScan
 from smp_public_names import classify
 
@@ -162,32 +168,37 @@ def _launch(cmd: list[str], workdir: Path, env: dict[str, str], timeout: int) ->
 
 
 def run_example(ex: Example, variant: str, git_dir: Path, scratch: Path, deps: Path,
-                timeout: int) -> tuple[str, int, str]:
-    """(result, number of edits besides imports, log path) of one example in one variant."""
-    dest = scratch / f"{ex.name}-{variant}"
+                timeout: int, one_process: bool = False) -> tuple[str, str, str]:
+    """(result, edits, output) of one example in one variant; with ``one_process``, of its
+    one-process run (``ex.one_process``), which passes when its figures are printed."""
+    dest = scratch / f"{ex.name}-{variant}{'-one-process' if one_process else ''}"
     extract(ex, git_dir, dest)
     for edit in ex.edits:
         apply_edit(dest, edit)
     n_imports = rewrite_imports(dest) if variant == "import-line" else 0
     workdir = dest / ex.workdir
-    env = _env(deps, {k: v.replace("{dest}", str(dest)) for k, v in ex.env.items()})
+    single = ex.one_process if one_process else None
+    env = _env(deps, {k: v.replace("{dest}", str(dest))
+                      for k, v in (single.env if single else ex.env).items()})
     if ex.setup is not None:
         ex.setup(dest)
-    cmd = [sys.executable, "-m", "modelparallel", "run", "--nproc-per-node", str(ex.nproc)]
+    cmd = [sys.executable, "-m", "modelparallel", "run", "--nproc-per-node",
+           str(1 if single else ex.nproc)]
     if variant == "zero-lines":
         cmd += ["--compat", "sagemaker"]
     cmd += [ex.entry, *(a.replace("{dest}", str(dest)) for a in ex.args)]
-    log_path = scratch / f"{ex.name}-{variant}.log"
+    log_path = scratch / f"{dest.name}.log"
     start = time.time()
     log, rc = _launch(cmd, workdir, env, timeout)
-    if rc == 0 and ex.then:  # the second run (a resume) in the same folder
-        more, rc = _launch([*cmd, *(a.replace("{dest}", str(dest)) for a in ex.then)], workdir,
+    then = None if single else ex.then
+    if rc == 0 and then:  # the second run (a resume) in the same folder
+        more, rc = _launch([*cmd, *(a.replace("{dest}", str(dest)) for a in then)], workdir,
                            env, timeout)
-        log += "\n=== second run: " + " ".join(ex.then) + "\n" + more
+        log += "\n=== second run: " + " ".join(then) + "\n" + more
     log_path.write_text(f"$ cd {workdir} && {' '.join(cmd)}\n{log}")
     took = f"{time.time() - start:.0f}s"
-    ok = rc == 0 and (ex.success is None or len(re.findall(ex.success, log)) >= (
-        2 if ex.then else 1))
+    success = single.figures if single else ex.success
+    ok = rc == 0 and (success is None or len(re.findall(success, log)) >= (2 if then else 1))
     if rc == -1:
         result = f"FAIL (timeout after {timeout}s)"
     elif ok:
@@ -195,7 +206,32 @@ def run_example(ex: Example, variant: str, git_dir: Path, scratch: Path, deps: P
     else:
         result = f"FAIL: {failure(log)[:300]}"
     imports = f" + {n_imports} import-line" if variant == "import-line" else ""
-    return result, len(ex.edits), f"{len(ex.edits)}{imports}"
+    return result, f"{len(ex.edits)}{imports}", log
+
+
+def figures(pattern: str, log: str) -> dict[str, float]:
+    """The named groups of the first match of ``pattern`` in ``log``, as numbers."""
+    found = re.search(pattern, log)
+    return {k: float(v) for k, v in found.groupdict().items()} if found else {}
+
+
+def compare_with_one_process(ex: Example, variant: str, log: str, run_one) -> str:
+    """Run ``ex`` on one process (``run_one(one_process=True)``) and compare the figures
+    its ``one_process.figures`` names: 'equal ...' or 'FAIL: ...'."""
+    assert ex.one_process is not None
+    result, _, single_log = run_one(one_process=True)
+    if not result.startswith("pass"):
+        return f"FAIL: the one-process run: {result}"
+    many, one = figures(ex.one_process.figures, log), figures(ex.one_process.figures, single_log)
+    if not many or set(many) != set(one):
+        return f"FAIL: figures {sorted(many)} vs one process's {sorted(one)}"
+    rows, worst = [], 0.0
+    for name in many:
+        rel = abs(many[name] - one[name]) / max(abs(one[name]), 1e-30)
+        worst = max(worst, rel)
+        rows.append(f"{name} {many[name]:.9g} vs {one[name]:.9g} (rel {rel:.1e})")
+    verdict = "equal" if worst <= ex.one_process.rtol else "FAIL: differ"
+    return f"{verdict} to one process [{variant}]: {', '.join(rows)}"
 
 
 # Looks SMP names up as `modelparallel run --compat sagemaker` resolves them, without running
@@ -264,10 +300,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
     ap.add_argument("--no-install", action="store_true", help="install no missing dependency")
     ap.add_argument("--list", action="store_true", help="list the examples and their edits")
+    ap.add_argument("--compare-one-process", action="store_true",
+                    help="also run the examples that name a one-process run so on one "
+                         "process, and compare the figures they name")
     ap.add_argument("--names", action="store_true",
                     help="only list, per example, the SMP names it uses that do not resolve")
     args = ap.parse_args()
-    chosen = [e for e in EXAMPLES if not args.only or e.name in args.only]
+    chosen = [e for e in [*EXAMPLES, *SMP2_EXAMPLES] if not args.only or e.name in args.only]
     if args.list:
         for ex in chosen:
             print(f"{ex.name}: {ex.repo}@{ex.commit[:9]} {ex.entry} ({ex.nproc} ranks)")
@@ -293,9 +332,14 @@ def main() -> None:
         git_dir = git_dir_for(ex.repo, mirrors, args.scratch)
         for variant in args.variant or VARIANTS:
             print(f"--- {ex.name} [{variant}]", flush=True)
+            run = functools.partial(run_example, ex, variant, git_dir, args.scratch, deps,
+                                    args.timeout)
             try:
-                result, _, edits = run_example(ex, variant, git_dir, args.scratch, deps,
-                                               args.timeout)
+                result, edits, log = run()
+                if args.compare_one_process and ex.one_process and result.startswith("pass"):
+                    compared = compare_with_one_process(ex, variant, log, run)
+                    print(f"    {compared}", flush=True)
+                    result = compared if compared.startswith("FAIL") else f"{result}; {compared}"
             except (SystemExit, subprocess.CalledProcessError) as e:  # an edit no longer applies
                 result, edits = f"ERROR (runner): {e}", "?"
             print(f"    {result}", flush=True)
