@@ -162,16 +162,18 @@ class Topology:
 
     def reading_rank(self, rank: int, group: CommGroup) -> tuple[int, int]:
         """``(index, count)`` of the samples ``rank`` reads among the ranks of ``group``
-        (data parallel, or reduced data parallel) that read different samples: the
-        ranks of a context-parallel group read the same ones."""
-        index, size = self.rank_in(rank, group), self.size_of(group)
+        that read different samples: ``group``'s index and size, except that the ranks
+        of a context-parallel group read the same samples."""
         if self.cp == 1:
-            return index, size
-        if group is CommGroup.RDP_GROUP:
-            return index // self.cp, size // self.cp
-        if group is CommGroup.DP_GROUP:  # rdp x tp, tp varying fastest
-            return (index // self.tp // self.cp) * self.tp + index % self.tp, size // self.cp
-        raise ValueError(f"{group} is not a data-parallel group")
+            return self.rank_in(rank, group), self.size_of(group)
+
+        def samples(r: int) -> tuple[tuple[str, int], ...]:  # cp rank left out
+            c = self.coordinate(r)
+            c["dp_shard"] //= self.cp
+            return tuple(sorted(c.items()))
+
+        readers = list(dict.fromkeys(samples(r) for r in self.group_ranks(rank, group)))
+        return readers.index(samples(rank)), len(readers)
 
     def describe(self) -> str:
         dims = " x ".join(f"{d}={self.dim_size(d)}" for d in self.dim_names)

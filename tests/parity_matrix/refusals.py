@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelparallel.schedule_rules import SPLIT_BACKWARD_SCHEDULES
-from parity_matrix.space import Case
+from parity_matrix.space import CONTEXT_PARALLEL_MODELS, Case
 from parity_matrix.zoo import TIED_MODELS
 
 
@@ -23,6 +23,10 @@ class Refusal:
 def expected_refusal(case: Case) -> Refusal | None:
     """The refusal a case must get, from rules written here (not asked of the library)."""
     lay = case.layout
+    if lay.cp > 1:
+        refusal = _context_parallel_refusal(case)
+        if refusal is not None:
+            return refusal
     if case.path in ("ddp", "smddp") and lay.hsd >= 2:
         return Refusal("hybrid_shard_degree", "replicates; use mp.shard()", by_config=False)
     shards = lay.dp_shard > 1 and (not case.ddp or lay.hsd >= 2)
@@ -38,4 +42,24 @@ def expected_refusal(case: Case) -> Refusal | None:
                 and case.accumulation == "no_sync"):
             return Refusal(case.precision, "cannot accumulate gradients in no_sync()",
                            by_config=False)
+    return None
+
+
+def _context_parallel_refusal(case: Case) -> Refusal | None:
+    """SMP v2's context parallelism needs tsm.transform on a model it knows how to split;
+    ring attention has no dropout (the zoo's Hugging Face models drop attention weights)."""
+    key = "context_parallel_degree"
+    if case.layout.dp_shard % case.layout.cp:  # the shard group holds the cp groups
+        return Refusal("hybrid_shard_degree", "is not a multiple of context_parallel_degree",
+                       by_config=True)
+    if case.path == "v1":
+        return Refusal(key, "mp.DistributedModel (SMP v1) does not split sequences",
+                       by_config=False)
+    if case.path == "smddp":  # SMDDP's DDP of a model nobody transformed
+        return Refusal(key, "call tsm.transform(model) first", by_config=False)
+    if case.model not in CONTEXT_PARALLEL_MODELS:
+        return Refusal(key, "is not a model context parallelism knows how to split",
+                       by_config=False)
+    if case.dropout:
+        return Refusal(key, "ring attention has no dropout", by_config=False)
     return None

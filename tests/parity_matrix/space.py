@@ -1,7 +1,8 @@
 """The configuration space of the parity matrix, and the cases generated from it.
 
 Layout axes — world size (1, 2, 4, 8 processes on one node, and 2 nodes x 2), pipeline,
-tensor-parallel and hybrid-shard degrees, placement strategy (when two or more
+tensor-parallel, hybrid-shard and context-parallel degrees (cp where SMP allows it: a
+divisor of the shard degree, no pipeline), placement strategy (when two or more
 degrees exceed 1), pipeline schedule and its virtual stages (when pp > 1) — and the
 API path are crossed exhaustively. The other axes (model, precision, microbatches,
 prescaled batch, activation checkpointing, ddp, gradient accumulation, dropout, padded
@@ -55,6 +56,10 @@ OTHER_AXES: dict[str, tuple[Any, ...]] = {
     # mp.global_token_count (a plain mean averages the ranks' means)
     "padded": (False, True),
 }
+# the zoo's models context parallelism splits (Hugging Face causal LMs it knows), and the
+# paths that train them (tsm.transform, then a data-parallel wrapper)
+CONTEXT_PARALLEL_MODELS = ("llama", "mistral", "qwen2", "qwen3", "neox")
+CONTEXT_PARALLEL_PATHS = ("shard", "fsdp1", "ddp")
 STEPS = 3  # optimizer steps per case
 ACCUMULATION = 2  # backward passes per optimizer step when accumulating
 
@@ -74,6 +79,7 @@ class Layout:
     placement: str = "cluster"
     schedule: str | None = None  # pipeline schedule when pp > 1
     virtual_stages: int = 1
+    cp: int = 1  # context_parallel_degree: ranks of dp_shard that split each sequence
 
     @property
     def nodes(self) -> int:
@@ -104,10 +110,14 @@ class Layout:
             c["pipeline"] = self.schedule
             if self.virtual_stages > 1:
                 c["virtual_stages"] = self.virtual_stages
+        if self.cp > 1:
+            c["context_parallel_degree"] = self.cp
         return c
 
     def label(self) -> str:
         parts = [f"w{self.world}", f"pp{self.pp}", f"tp{self.tp}", f"hsd{self.hsd}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if sum(d > 1 for d in (self.pp, self.tp, self.dp)) >= 2:
             parts.append(self.placement)
         if self.schedule:
@@ -130,6 +140,17 @@ def layouts() -> Iterator[Layout]:
                         hsds, PLACEMENTS if several else ("cluster",)):
                     for schedule, v in _schedules(pp):
                         yield Layout(world, pp, tp, hsd, placement, schedule, v)
+                    for cp in _context_degrees(pp, dp if hsd == 0 else hsd):
+                        yield Layout(world, pp, tp, hsd, placement, cp=cp)
+
+
+def _context_degrees(pp: int, shard: int) -> list[int]:
+    """The context-parallel degrees > 1 a layout allows: divisors of the shard degree
+    that split the test sequences into ``2 * cp`` chunks (SMP: no pipeline)."""
+    from parity_matrix.zoo import SEQ
+
+    return [cp for cp in _divisors(shard)
+            if pp == 1 and cp > 1 and SEQ % (2 * cp) == 0]
 
 
 def _schedules(pp: int) -> Iterator[tuple[str | None, int]]:
@@ -239,6 +260,11 @@ def allowed(layout: Layout, path: str, axis: str) -> tuple[Any, ...]:
         return ok or (next(m for m in (8, 16, 32) if schedule_accepts(layout, m)),)
     if axis == "ddp" and path != "v1":
         return (False,)
+    if layout.cp > 1 and path in CONTEXT_PARALLEL_PATHS:  # what it splits (refusals.py):
+        if axis == "model":  # the rest is refused, once each in regression_cases
+            return CONTEXT_PARALLEL_MODELS
+        if axis == "dropout":
+            return (False,)
     return values
 
 
@@ -317,7 +343,7 @@ def _gain(assignment: dict[str, Any], covered: set[tuple]) -> int:
 
 def _pairs(case: Case) -> set[tuple]:
     lay = case.layout
-    values = {"world": lay.world, "pp": lay.pp, "tp": lay.tp, "hsd": lay.hsd,
+    values = {"world": lay.world, "pp": lay.pp, "tp": lay.tp, "hsd": lay.hsd, "cp": lay.cp,
               "placement": lay.placement, "schedule": (lay.schedule, lay.virtual_stages),
               "path": case.path, **{a: getattr(case, a) for a in OTHER_AXES}}
     return set(itertools.combinations(sorted(values.items(), key=lambda kv: kv[0]), 2))
@@ -382,6 +408,11 @@ def regression_cases() -> list[Case]:
              microbatches=2, note="bf16 with ddp=True replicas"),
         Case(L(2, 1, 1, 0), "v1", "gpt", precision="fp16", note="fp16 loss scaling"),
         Case(L(4, 1, 1, 2), "shard", "gpt", precision="fp16", note="fp16 with mp.shard"),
+        Case(L(2, 1, 1, 0, cp=2), "shard", "gpt", note="cp: a model it cannot split"),
+        Case(L(2, 1, 1, 0, cp=2), "fsdp1", "llama", dropout=True,
+             note="cp: attention dropout"),
+        Case(L(4, 1, 1, 1, cp=2), "shard", "llama",
+             note="cp: hybrid_shard_degree not a multiple of it"),
     ]
 
 

@@ -180,8 +180,8 @@ class PathRun:
         x, y = x.to(self.device), y.to(self.device)  # as SMP v1 and v2 scripts do
         every_pass = _rows(case, x, 0, self.passes)
         divisor = None
-        if case.padded and (case.path != "v1" or self.passes > 1):
-            divisor = mp.global_token_count(y[every_pass])
+        if case.padded and (case.path != "v1" or self.passes > 1):  # this rank's targets
+            divisor = mp.global_token_count(mp.split_for_context_parallel(y[every_pass]))
         scale = 2.0 if case.mutation == "double_loss" else 1.0
         total = 0.0
         for part in range(self.passes):
@@ -191,8 +191,10 @@ class PathRun:
                 total += float(out.reduce_mean())
                 continue
             skip = case.accumulation == "no_sync" and part < self.passes - 1
+            # context parallelism: this rank's chunks of every sequence (and its targets)
+            xs, ys = mp.split_for_context_parallel(x[rows], y[rows])
             with _no_sync(self.model, skip):
-                loss = self.loss_fn(self.model(x[rows]), y[rows])
+                loss = self.loss_fn(self.model(xs), ys)
                 loss = loss / divisor if divisor is not None else loss / self.passes
                 (self.scaler.scale(loss * scale) if self.scaler else loss * scale).backward()
             total += float(loss.detach())

@@ -91,9 +91,13 @@ def _hf(model: str, layers: int, p: float) -> nn.Module:
     import transformers as T
 
     register_attention()
+    # keyed attention drops attention weights by sample; without dropout it is eager
+    # attention, which context parallelism replaces by ring attention (it refuses to
+    # replace an attention implementation it does not know)
+    attention = ATTENTION if p else "eager"
     common: dict[str, Any] = dict(vocab_size=VOCAB, num_hidden_layers=layers,
                                   max_position_embeddings=2 * SEQ, use_cache=False,
-                                  attn_implementation=ATTENTION)
+                                  attn_implementation=attention)
     # grouped-query attention: 16 query heads share 8 key/value heads (head size 4)
     gqa: dict[str, Any] = dict(common, hidden_size=64, intermediate_size=128,
                                num_attention_heads=16, num_key_value_heads=8,
@@ -102,7 +106,7 @@ def _hf(model: str, layers: int, p: float) -> nn.Module:
         gpt2: dict[str, Any] = dict(
             vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=8, n_positions=2 * SEQ,
             resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False, bos_token_id=0,
-            eos_token_id=0, attn_implementation=ATTENTION)
+            eos_token_id=0, attn_implementation=attention)
         return T.GPT2LMHeadModel(T.GPT2Config(**gpt2))
     if model == "llama":
         return T.LlamaForCausalLM(T.LlamaConfig(**gqa))
@@ -118,7 +122,7 @@ def _hf(model: str, layers: int, p: float) -> nn.Module:
             num_attention_heads=8, intermediate_size=64,
             num_labels=CLASSES,  # type: ignore[call-arg]  # PretrainedConfig's keyword
             hidden_dropout_prob=p, attention_probs_dropout_prob=p,
-            attn_implementation=ATTENTION))
+            attn_implementation=attention))
     if model == "neox":
         return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
             **common, hidden_size=32, intermediate_size=128, num_attention_heads=8,

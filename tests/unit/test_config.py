@@ -825,6 +825,20 @@ class TestContextParallelLayout:
         assert [topology.reading_rank(r, CommGroup.RDP_GROUP)[0] for r in range(8)] == \
             [r // 4 for r in range(8)]
 
+    def test_tensor_parallel_ranks_read_apart_whatever_the_placement(self):
+        """The parity matrix found it: with ``spread`` (tp outermost) a tp group's ranks
+        are not neighbours in the data-parallel group; they must still read different
+        rows, and a cp group's ranks the same rows."""
+        for placement in ("cluster", "spread"):
+            topology = Topology.from_config(load({
+                "context_parallel_degree": 2, "tensor_parallel_degree": 2,
+                "placement_strategy": placement}), 4)
+            reads = {r: topology.reading_rank(r, CommGroup.DP_GROUP) for r in range(4)}
+            for group in topology.cp_groups():
+                assert len({reads[r] for r in group}) == 1, placement
+            for group in topology.all_groups(CommGroup.TP_GROUP):
+                assert len({reads[r] for r in group}) == 2, placement
+
     @pytest.mark.parametrize("given, world, key, message", [
         ({"context_parallel_degree": 2, "hybrid_shard_degree": 1}, 4, "hybrid_shard_degree",
          "1 is not a multiple of context_parallel_degree=2: the ranks of a context-parallel "

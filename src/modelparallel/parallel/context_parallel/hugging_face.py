@@ -60,15 +60,27 @@ def install(model: nn.Module, group: dist.ProcessGroup, comm_type: str) -> nn.Mo
     cannot split exactly."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type={comm_type!r}; use 'p2p' or 'all_gather'")
-    config = _check_model(model)
+    causal_lm = _find_causal_lm(model)
+    config = _check_model(causal_lm)
     setting = SequenceSplit(group, dist.get_rank(group), dist.get_world_size(group),
                             comm_type, config._attn_implementation)
     _register()
-    model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+    causal_lm.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+    for module in causal_lm.modules():
+        if _is_attention(module):
+            state_of(module).context_parallel = setting
+    state_of(causal_lm).context_parallel = setting
+    state_of(model).context_parallel = setting  # what the appliers check
+    causal_lm.register_forward_pre_hook(_before_forward, with_kwargs=True)
+    return model
+
+
+def _find_causal_lm(model: nn.Module) -> nn.Module:
+    """``model``, or the outermost module in it of a supported type (a script's own
+    wrapper around a Hugging Face model)."""
     for module in model.modules():
-        state_of(module).context_parallel = setting if _is_attention(module) else None
-    state_of(model).context_parallel = setting
-    model.register_forward_pre_hook(_before_forward, with_kwargs=True)
+        if getattr(getattr(module, "config", None), "model_type", None) in MODEL_TYPES:
+            return module
     return model
 
 
