@@ -1,5 +1,6 @@
 """The planner against real training: for layouts of the parity matrix (fp32 and bf16,
-activation checkpointing on and off, pipelines included) the peak of allocated tensor
+activation checkpointing on and off, pipelines included; context parallelism on a
+Hugging Face Llama) the peak of allocated tensor
 memory it predicts for each rank is within 5% of the peak measured on that rank in a
 real gloo run of the same training script, and the bytes it predicts each group's
 collectives move are the bytes counted. The step-time estimate is not checked here
@@ -16,6 +17,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +30,8 @@ STEPS = 3  # measured steady steps (after the one that makes the optimizer state
 LAYOUTS = {  # world size -> configurations (the parity matrix's degrees and schedules)
     2: [{}, {"hybrid_shard_degree": 2}, {"tensor_parallel_degree": 2},
         {"pipeline_parallel_degree": 2, "microbatches": 2},
-        {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "simple"}],
+        {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "simple"},
+        {"hybrid_shard_degree": 2, "context_parallel_degree": 2}],
     4: [{"hybrid_shard_degree": 2, "tensor_parallel_degree": 2},
         {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2},
         {"pipeline_parallel_degree": 2, "hybrid_shard_degree": 2, "microbatches": 2},
@@ -61,8 +64,13 @@ def cases(world: int, full: bool):
 
 
 def workload(config, checkpointing, world):
+    from modelparallel.plan.cli import load_factory
     from modelparallel.plan.workload import Workload
 
+    if config.get("context_parallel_degree", 1) > 1:  # a model it splits, with SMP v2's API
+        llama = load_factory(f"{Path(__file__).parents[2]}/examples/plan/models.py:tiny_llama")
+        return Workload(llama, config, world, BATCH, SEQ, activation_checkpointing=checkpointing,
+                        api="v2")
     return Workload(small_gpt, config, world, BATCH, SEQ, activation_checkpointing=checkpointing)
 
 

@@ -102,8 +102,8 @@ def test_search_lists_a_layout_the_batch_cannot_split_and_ranks_the_others(model
     head = next(i for i, line in enumerate(rows) if line.startswith("layout"))
     table = rows[head + 1:head + 5]
     assert table[-1].split() == [
-        "pp", "2,", "tp", "1,", "hybrid_shard", "1,", "mb", "2", "-", "-", "not", "possible:",
-        "a", "batch", "of", "1", "rows", "per", "rank", "does", "not", "split", "into",
+        "pp", "2,", "tp", "1,", "hybrid_shard", "1,", "mb", "2", "-", "-", "-", "-", "not",
+        "possible:", "a", "batch", "of", "1", "rows", "per", "rank", "does", "not", "split", "into",
         "microbatches=2", "equal", "parts"], ran.out
     assert all("not possible" not in row for row in table[:3]), ran.out
     assert "best: pp 1" in ran.out and "among the 3 layouts that fit" in ran.out, ran.out

@@ -5,7 +5,8 @@ DTensor and user calls alike) with its real tensors and process group. Bytes are
 what a bandwidth-optimal (ring) algorithm sends from each rank — the "bus bytes" of
 nccl-tests — so they compare directly with the textbook figures:
 all-reduce ``2B(n-1)/n``, all-gather and reduce-scatter ``B(n-1)/n`` (B = the full,
-unsharded tensor), broadcast and point-to-point ``B``.
+unsharded tensor), broadcast and a send ``B`` (a receive is counted as a call of no
+bytes: its bytes are the sender's).
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ _C10D_BYTES = {  # op name -> (bytes(args, n), position of the ProcessGroup argu
     "gather_": (_ring(1, 0), 2),
     "scatter_": (_ring(1, 1), 2),
     "send": (_whole(0), 1),
-    "recv_": (_whole(0), 1),
-    "recv_any_source_": (_whole(0), 1),
+    # what a rank receives, its peer sends (and counts): a ring hop is B, not 2B
+    "recv_": (lambda args, n: 0.0, 1),
+    "recv_any_source_": (lambda args, n: 0.0, 1),
     "barrier": (lambda args, n: 0.0, 1),
     "monitored_barrier_": (lambda args, n: 0.0, 1),
 }

@@ -37,25 +37,34 @@ def rank_table(plan: JobPlan) -> str:
 
 
 def ranking(found: list[Candidate], device: DeviceModel) -> str:
-    """The layouts that fit, fastest first, then those that do not, with why."""
-    rows = [f"{'layout':44}  {'peak MiB':>10}  {'est. step ms':>12}  note"]
+    """The layouts that fit, the least time per sequence first, then those that do not,
+    with why."""
+    rows = [f"{'layout':44}  {'peak MiB':>10}  {'est. step ms':>12}  {'seq/step':>8}  "
+            f"{'ms/seq':>8}  note"]
     fitting = [c for c in found if c.refused is None]
     for c in found:
         est = f"{c.estimate.step_s * 1e3:.1f}" if c.estimate else "-"
+        per_row = f"{c.seconds_per_row * 1e3:.2f}" if c.estimate else "-"
+        sequences = str(c.rows_per_step) if c.estimate else "-"
         note = c.refused or ""
         peak = mib(c.peak_bytes) if c.plan else "-"
-        rows.append(f"{_degrees(c.config):44}  {peak:>10}  {est:>12}  {note}".rstrip())
+        rows.append(f"{_degrees(c.config):44}  {peak:>10}  {est:>12}  {sequences:>8}  "
+                    f"{per_row:>8}  {note}".rstrip())
     if fitting:
         best = fitting[0]
         assert best.estimate is not None
-        why = (f"best: {_degrees(best.config)}: the shortest estimated step among the "
-               f"{len(fitting)} layouts that fit (compute {best.estimate.compute_s * 1e3:.1f} "
-               f"ms, communication {best.estimate.comm_s * 1e3:.1f} ms on its slowest rank)")
+        why = (f"best: {_degrees(best.config)}: the least estimated time per sequence among "
+               f"the {len(fitting)} layouts that fit ({best.rows_per_step} sequences in a "
+               f"step of {best.estimate.step_s * 1e3:.1f} ms: compute "
+               f"{best.estimate.compute_s * 1e3:.1f} ms, communication "
+               f"{best.estimate.comm_s * 1e3:.1f} ms on its slowest rank)")
+        if best.config.get("context_parallel_degree", 1) > 1:
+            why += ("; context parallelism is SMP v2's: tsm.transform, then shard, each rank "
+                    "given its chunks of every sequence (mp.split_for_context_parallel)")
         if len(fitting) > 1:
             second = fitting[1]
-            assert second.estimate is not None
             why += (f"; next: {_degrees(second.config)} at "
-                    f"{second.estimate.step_s * 1e3:.1f} ms")
+                    f"{second.seconds_per_row * 1e3:.2f} ms per sequence")
         rows += ["", why]
     else:
         rows += ["", "no layout fits: lower --batch-size, add --activation-checkpointing, or "
@@ -68,6 +77,8 @@ def _degrees(config: dict) -> str:
     parts = [f"pp {config.get('pipeline_parallel_degree', 1)}",
              f"tp {config.get('tensor_parallel_degree', 1)}",
              f"hybrid_shard {config.get('hybrid_shard_degree', 0)}"]
+    if config.get("context_parallel_degree", 1) > 1:
+        parts.append(f"cp {config['context_parallel_degree']}")
     if config.get("pipeline_parallel_degree", 1) > 1:
         parts.append(f"mb {config.get('microbatches', 1)}")
     return ", ".join(parts)

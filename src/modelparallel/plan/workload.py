@@ -74,6 +74,11 @@ class TrainingScript:
         y = torch.randint(0, self.vocab, shape, device=device)
         if self.work.api == "v1":
             self._train_step(self.model, x, y)
+        elif self.mp.state.context.topology.cp > 1:
+            # each rank its chunks of the whole sequences; the labels go to the model,
+            # which shifts them across chunks and normalises the loss over the group
+            x, y = self.mp.split_for_context_parallel(x, y)
+            self.model(input_ids=x, labels=y).loss.backward()
         else:
             lm_loss(self.model(x), y).backward()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
