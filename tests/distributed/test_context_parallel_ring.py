@@ -17,12 +17,15 @@ def unsplit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     return s.softmax(-1) @ v
 
 
-def ring_case(comm: str) -> float:
-    """The largest difference from unsplit attention on this rank."""
+def ring_case(comm: str, tile: int) -> float:
+    """The largest difference from unsplit attention on this rank (query rows scored
+    ``tile`` at a time)."""
     import torch.distributed as dist
 
-    from modelparallel.parallel.context_parallel import split
+    from modelparallel.parallel.context_parallel import blocks, split
     from modelparallel.parallel.context_parallel.ring import ring_attention
+
+    blocks.ROW_TILE, default_tile = tile, blocks.ROW_TILE
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -43,11 +46,13 @@ def ring_case(comm: str) -> float:
     errors = [(out - mine(expected)).abs().max()]
     errors += [(t.grad - mine(full.grad)).abs().max()
                for t, full in zip(local, (q, k, v), strict=True)]
+    blocks.ROW_TILE = default_tile
     return float(max(errors))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("comm", ["p2p", "all_gather"])
-def test_ring_attention_is_unsplit_causal_attention(workers, world, comm):
-    for rank, error in enumerate(workers(world).run(ring_case, comm=comm)):
+@pytest.mark.parametrize("tile", [256, 3])  # one tile per chunk; several, the last short
+def test_ring_attention_is_unsplit_causal_attention(workers, world, comm, tile):
+    for rank, error in enumerate(workers(world).run(ring_case, comm=comm, tile=tile)):
         assert error < 1e-12, (rank, error)

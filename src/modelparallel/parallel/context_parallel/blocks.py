@@ -39,25 +39,42 @@ def _take(x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
     return torch.cat([x[..., i * half:(i + 1) * half, :] for i in chunks], dim=-2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, seg: Segment, scale: float) -> torch.Tensor:
+# Query rows scored at once: bounds the score matrix of a block (rows x keys) however
+# long the sequence, as a fused attention kernel's tiles do.
+ROW_TILE = 256
+
+
+def _tiles(chunk: int, half: int) -> list[tuple[slice, int]]:
+    """(rows of the local sequence, first row within the chunk) of each tile of query
+    chunk ``chunk`` (0 or 1) of a local sequence of two chunks of ``half`` rows."""
+    return [(slice(chunk * half + start, chunk * half + min(start + ROW_TILE, half)), start)
+            for start in range(0, half, ROW_TILE)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, seg: Segment, scale: float,
+            first_row: int) -> torch.Tensor:
+    """Scores of query rows ``first_row``.. of their chunk against a segment's keys."""
     s = (q @ k.transpose(-2, -1)) * scale
     if seg.diagonal:  # the last chunk of the keys is the query chunk itself
-        c = q.shape[-2]
-        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        s[..., -c:] = s[..., -c:].masked_fill(~causal, float("-inf"))
+        c = k.shape[-2] // len(seg.keys)
+        rows = torch.arange(first_row, first_row + q.shape[-2], device=q.device)
+        later = rows[:, None] < torch.arange(c, device=q.device)[None, :]
+        s[..., -c:] = s[..., -c:].masked_fill(later, float("-inf"))
     return s
 
 
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    """Key/value heads repeated for grouped-query attention (as Hugging Face's repeat_kv)."""
+def _expand(kv: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Key/value heads in the working dtype, repeated for grouped-query attention (as
+    Hugging Face's repeat_kv)."""
+    kv = kv.to(dtype)
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            query_chunks: tuple[int, int], key_chunks: tuple[int, int],
            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of local queries ``q`` (B, H, L, D) to one block of keys and values
-    (B, Hkv, L, D), all in the working dtype: the block's output (B, H, L, D) and
+    """Attention of local queries ``q`` (B, H, L, D, in the working dtype) to one block
+    of keys and values (B, Hkv, L, D, in the model's dtype): the block's output (B, H, L, D) and
     log-sum-exp (B, H, L); rows that see nothing of the block have output 0 and
     log-sum-exp -inf."""
     groups = q.shape[1] // k.shape[1]
@@ -67,13 +84,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for i, seg in enumerate(segments(query_chunks, key_chunks)):
         if not seg.keys:
             continue
-        rows = slice(i * half, (i + 1) * half)
-        kk = _expand(_take(k, seg.keys), groups)
-        vv = _expand(_take(v, seg.keys), groups)
-        s = _scores(q[..., rows, :], kk, seg, scale)
-        block_lse = torch.logsumexp(s, dim=-1)
-        out[..., rows, :] = torch.exp(s - block_lse.unsqueeze(-1)) @ vv
-        lse[..., rows] = block_lse
+        kk = _expand(_take(k, seg.keys), groups, q.dtype)
+        vv = _expand(_take(v, seg.keys), groups, q.dtype)
+        for rows, first in _tiles(i, half):
+            s = _scores(q[..., rows, :], kk, seg, scale, first)
+            block_lse = torch.logsumexp(s, dim=-1)
+            out[..., rows, :] = torch.exp(s - block_lse.unsqueeze(-1)) @ vv
+            lse[..., rows] = block_lse
     return out, lse
 
 
@@ -101,16 +118,16 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for i, seg in enumerate(segments(query_chunks, key_chunks)):
         if not seg.keys:
             continue
-        rows = slice(i * half, (i + 1) * half)
-        kk = _expand(_take(k, seg.keys), groups)
-        vv = _expand(_take(v, seg.keys), groups)
-        qi, doi = q[..., rows, :], dout[..., rows, :]
-        p = torch.exp(_scores(qi, kk, seg, scale) - lse[..., rows].unsqueeze(-1))
-        dp = doi @ vv.transpose(-2, -1)
-        ds = p * (dp - delta[..., rows].unsqueeze(-1)) * scale
-        dq[..., rows, :] += ds @ kk
-        dk_seg = ds.transpose(-2, -1) @ qi
-        dv_seg = p.transpose(-2, -1) @ doi
+        kk = _expand(_take(k, seg.keys), groups, q.dtype)
+        vv = _expand(_take(v, seg.keys), groups, q.dtype)
+        dk_seg, dv_seg = torch.zeros_like(kk), torch.zeros_like(vv)
+        for rows, first in _tiles(i, half):
+            qi, doi = q[..., rows, :], dout[..., rows, :]
+            p = torch.exp(_scores(qi, kk, seg, scale, first) - lse[..., rows].unsqueeze(-1))
+            ds = p * (doi @ vv.transpose(-2, -1) - delta[..., rows].unsqueeze(-1)) * scale
+            dq[..., rows, :] += ds @ kk
+            dk_seg += ds.transpose(-2, -1) @ qi
+            dv_seg += p.transpose(-2, -1) @ doi
         for j, chunk in enumerate(seg.keys):
             keys = slice(chunk * half, (chunk + 1) * half)
             dk[..., keys, :] += dk_seg[..., j * half:(j + 1) * half, :]

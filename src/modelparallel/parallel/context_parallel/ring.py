@@ -14,8 +14,9 @@ keys and values of every rank must meet every rank's queries; SMP's two ways
   all-to-all and sums.
 
 Partial results are merged with their log-sum-exp (``blocks.py``), so the result is
-the softmax over the whole sequence. Only the local keys and values are kept for the
-backward: the blocks are exchanged again there.
+the softmax over the whole sequence. Keys and values travel in the model's dtype (bf16
+stays bf16), gradients in the working dtype (float32 at least). Only the local keys
+and values are kept for the backward: the blocks are exchanged again there.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class RingAttention(torch.autograd.Function):
         mine = chunks_of(me, size)
         work = _work_dtype(q)
         qf = q.to(work)
-        kv = torch.stack([k, v]).to(work).contiguous()
+        kv = torch.stack([k, v]).contiguous()  # sent in the model's dtype
         out = lse = None
         for source, block in _blocks(kv, group, comm_type):
             b_out, b_lse = blocks.attend(qf, block[0], block[1], mine,
@@ -104,7 +105,7 @@ class RingAttention(torch.autograd.Function):
         work = _work_dtype(q)
         qf, doutf = q.to(work), dout.to(work)
         delta = (doutf * out).sum(-1)
-        kv = torch.stack([k, v]).to(work).contiguous()
+        kv = torch.stack([k, v]).contiguous()
         dq = torch.zeros_like(qf)
 
         def grads_of(source: int, block: torch.Tensor) -> torch.Tensor:
