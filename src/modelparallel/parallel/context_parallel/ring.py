@@ -144,6 +144,8 @@ def _ring_backward(kv: torch.Tensor, group: dist.ProcessGroup, grads_of) -> torc
     """The ring backward: each block travels with its gradient; after the last step one
     more hop brings every block's complete gradient to its owner."""
     me, size = dist.get_rank(group), dist.get_world_size(group)
+    if size == 1:  # the only block is the rank's own: no hop (gloo cannot send to itself)
+        return grads_of(me, kv)
     block, grad_hop = kv, None
     for step in range(size):
         kv_hop = _RingHop(block, group, _KV_TAG) if step < size - 1 else None
