@@ -316,10 +316,12 @@ def main() -> None:
             print(f"   one layer's attention alone (fwd+bwd, peak): ring per rank "
                   f"{max(a for _, _, a in peaks) / 2**20:.1f} MiB, one process sdpa on the "
                   f"whole sequence {ref['attention'] / 2**20:.1f} MiB")
-        scores = (args.seq // 4) * (args.seq // 2) * HEADS * 4  # one chunk x one block
-        print(f"   blocks.py materialises each query chunk's float32 scores against a key "
-              f"block, {scores / 2**20:.1f} MiB per temporary here (quadratic in the "
-              f"sequence per rank); sdpa's CPU kernel works in tiles")
+        from modelparallel.parallel.context_parallel.blocks import ROW_TILE
+
+        scores = ROW_TILE * (args.seq // 2) * HEADS * 4  # one tile x the keys of a block
+        print(f"   blocks.py scores {ROW_TILE} query rows at a time against a key block: "
+              f"{scores / 2**20:.1f} MiB per float32 temporary here (linear in the "
+              f"sequence per rank; sdpa's fused CPU kernel keeps less)")
         ratios["cp_activation_memory"] = worst
     for cp in (int(c) for c in args.cp.split(",")):
         if cp > 2:
