@@ -9,7 +9,8 @@ when it
   ``dist_c10d._get_default_group``), whatever the package itself defines;
 - reaches it as an attribute (or through ``getattr``/``hasattr``/``setattr`` with a
   literal name) of any other object, where the package defines no such name itself
-  (a ``def``, a class, an assignment, an attribute of ``self``/``cls``).
+  (a ``def``, a class, an assignment, an attribute of ``self``/``cls``);
+- calls a base class's private method through ``super()`` (an override of it).
 
 The second rule catches what the package replaces in torch (a module global it swaps);
 the third cannot tell whose object it is, so a private name the package defines as
@@ -56,6 +57,14 @@ def _defined(trees: list[ast.Module]) -> set[str]:
     return names
 
 
+def _on_super(node: ast.Attribute) -> bool:
+    """``super()._name``: a private method of a base class, which the package overrides
+    (its own ``def`` of the name does not make the base's its own)."""
+    call = node.value
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+            and call.func.id == "super")
+
+
 def _torch_aliases(tree: ast.Module) -> set[str]:
     """Names a module binds to torch modules or objects by its imports."""
     aliases = set()
@@ -92,7 +101,7 @@ def private_uses(src: Path = SRC) -> dict[str, list[str]]:
                     if parts[0] == "torch" and any(p.startswith("_") for p in parts):
                         uses[a.name].append(f"{where}:{n.lineno}")
             elif isinstance(n, ast.Attribute) and _private(n.attr):
-                if _root(n) in torch_names or n.attr not in defined:
+                if _root(n) in torch_names or n.attr not in defined or _on_super(n):
                     uses[f".{n.attr}"].append(f"{where}:{n.lineno}")
             elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                   and n.func.id in _PROBES and len(n.args) > 1

@@ -155,6 +155,14 @@ ATTRIBUTES = {
     "_fields": Private("tuple subclasses made by namedtuple", "namedtuple's protocol"),
     "_SubParsersAction": Private("argparse", "the type of add_subparsers()"),
     "_no_split_modules": Private("transformers.PreTrainedModel", "a model's block classes"),
+    # the launcher announces torchrun's restarts (launch/restarts.py): overrides, calling
+    # torch's own through super()
+    "_monitor_workers": Private(
+        "torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent",
+        "the result of each check of the workers, kept for the restart's announcement"),
+    "_restart_workers": Private(
+        "torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent",
+        "a restart of the worker group, announced before torch's own runs"),
     "_attn_implementation": Private("transformers.PretrainedConfig",
                                     "context parallelism: which attention a model runs "
                                     "(transformers has no public getter)"),
@@ -203,10 +211,13 @@ def test_the_scanner_finds_private_imports_and_attributes(tmp_path: Path):
         "from torch.utils._pytree import tree_map\nfrom torch.nn import _reduction\n"
         "class A:\n    def __init__(self):\n        self._own = 1\n"
         "    def f(self, m):\n        m._mp_state = 1\n        return self._own, m._parameters, "
-        "torch._C, iu._own, getattr(m, '_handle', None)\n")
+        "torch._C, iu._own, getattr(m, '_handle', None)\n"
+        "class B(torch.nn.Module):\n    def _apply(self, fn):\n"
+        "        return super()._apply(fn)\n")  # an override of a private method
     assert sorted(private_uses(tmp_path)) == [
-        "._C", "._handle", "._own", "._parameters", "torch.distributed.fsdp._init_utils",
-        "torch.nn._reduction", "torch.utils._pytree.tree_map"]
+        "._C", "._apply", "._handle", "._own", "._parameters",
+        "torch.distributed.fsdp._init_utils", "torch.nn._reduction",
+        "torch.utils._pytree.tree_map"]
 
 
 def test_torch_still_has_what_we_reach():
