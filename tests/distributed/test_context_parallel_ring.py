@@ -19,7 +19,7 @@ def unsplit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 def ring_case(comm: str, tile: int) -> float:
     """The largest difference from unsplit attention on this rank (query rows scored
-    ``tile`` at a time)."""
+    ``tile`` at a time: 3 makes several tiles per chunk, the last one short)."""
     import torch.distributed as dist
 
     from modelparallel.parallel.context_parallel import blocks, split
@@ -52,7 +52,7 @@ def ring_case(comm: str, tile: int) -> float:
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("comm", ["p2p", "all_gather"])
-@pytest.mark.parametrize("tile", [256, 3])  # one tile per chunk; several, the last short
+@pytest.mark.parametrize("tile", [pytest.param(256, marks=pytest.mark.extended), 3])
 def test_ring_attention_is_unsplit_causal_attention(workers, world, comm, tile):
     for rank, error in enumerate(workers(world).run(ring_case, comm=comm, tile=tile)):
         assert error < 1e-12, (rank, error)
