@@ -43,6 +43,12 @@ def build(family: str) -> nn.Module:
     return model_class(config)
 
 
+def transformers_class(name: str) -> type:
+    import transformers
+
+    return getattr(transformers, name)
+
+
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input ids, labels) with some labels masked, differently in every row."""
     g = torch.Generator().manual_seed(1)
@@ -194,6 +200,8 @@ def refusals_case() -> dict[str, str]:
     mistral = build("mistral")
     mistral.config.sliding_window = 8
     got["sliding window"] = message(lambda: tsm.transform(mistral))
+    classifier = transformers_class("LlamaForSequenceClassification")(build("llama").config)
+    got["classification head"] = message(lambda: tsm.transform(classifier))
     model = tsm.transform(build("llama"))
     ids = torch.zeros(2, 8, dtype=torch.long)
     got["padding mask"] = message(lambda: model(input_ids=ids, attention_mask=ids))
@@ -216,6 +224,8 @@ def test_misuse_is_refused_in_one_message(workers):
         assert "padding masks are not supported; pass attention_mask=None and set the " \
                "labels of padding to -100" in got["padding mask"]
         assert "has 7 positions, but it holds two equal chunks" in got["odd length"]
+        assert "LlamaForSequenceClassification is not a causal language model" in \
+            got["classification head"]
 
 
 def resume_case(root: str) -> list[str]:

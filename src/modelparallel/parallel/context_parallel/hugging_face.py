@@ -93,6 +93,12 @@ def _check_model(model: nn.Module) -> Any:
         problems.append(f"{name} (model_type {model_type!r}) is not a model context "
                         f"parallelism knows how to split; supported: Hugging Face causal LMs "
                         f"of the types {', '.join(MODEL_TYPES)}")
+    elif not name.endswith(("ForCausalLM", "Model")):
+        problems.append(f"{name} is not a causal language model (nor its base model): a "
+                        "rank holds only its chunks of each sequence, so a head that reads "
+                        "one position of it (classification, question answering) would "
+                        "read the wrong one; context parallelism splits *ForCausalLM "
+                        "models and their base models")
     else:
         if config._attn_implementation not in USER_IMPLEMENTATIONS:
             problems.append(f"{name} uses attn_implementation="
