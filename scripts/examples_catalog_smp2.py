@@ -27,10 +27,8 @@ V2_ARGS = [
     # RoPE buffers need no move to the device on the CPU (and Hugging Face 5 moved them)
     "--patch_neox_rope", "0",
 ]
-V2_EDITS = [
-    Edit("train_lib.py",
-         "import transformer_engine\nfrom transformer_engine.common.recipe import Format, "
-         "DelayedScaling\n", "", "nvidia", "TransformerEngine (FP8) removed; run with --fp8 0"),
+# the edits every SMP v2 script of these repositories needs on a CPU machine
+CPU_EDITS = [
     Edit("train_lib.py", "    device = global_rank % torch.cuda.device_count()\n",
          '    device = torch.device("cpu")\n', "device", "CUDA -> CPU"),
     Edit("train_lib.py", "    torch.cuda.set_device(device)\n", "", "device",
@@ -42,12 +40,19 @@ V2_EDITS = [
     Edit("train_lib.py", "        nvtx_warmup_iters = 3\n",
          '        nvtx_warmup_iters = float("inf")\n', "device",
          "NVTX ranges are CUDA-only: never started"),
-    Edit("train_utils.py", 'attn_implementation="flash_attention_2"',
-         'attn_implementation="sdpa"', "nvidia",
-         "FlashAttention-2 is CUDA-only: PyTorch's SDPA instead", count=2),
     Edit("data/pipelines/hf_data_pipeline.py", "from datasets import load_from_disk\n",
          "load_from_disk = None\n", "dep",
          "the datasets package is not installed; only --dataset_type hf uses it"),
+]
+V2_EDITS = [
+    Edit("train_lib.py",
+         "import transformer_engine\nfrom transformer_engine.common.recipe import Format, "
+         "DelayedScaling\n", "", "nvidia", "TransformerEngine (FP8) removed; run with --fp8 0"),
+    *CPU_EDITS[:-1],
+    Edit("train_utils.py", 'attn_implementation="flash_attention_2"',
+         'attn_implementation="sdpa"', "nvidia",
+         "FlashAttention-2 is CUDA-only: PyTorch's SDPA instead", count=2),
+    CPU_EDITS[-1],
     Edit("checkpoints.py", "            statistics.stdev(times),\n",
          "            statistics.stdev(times) if len(times) > 1 else 0.0,\n", "world",
          "stdev of a one-rank checkpoint group fails (tensor parallel 2 over 2 ranks: one "
@@ -143,20 +148,7 @@ ADT_SMP2 = Example(
          "FlashSelfAttention, delayed param init, offloading, sharded checkpoint, resume",
     deps=("psutil", "accelerate"),
     edits=[
-        Edit("train_lib.py", "    device = global_rank % torch.cuda.device_count()\n",
-             '    device = torch.device("cpu")\n', "device", "CUDA -> CPU"),
-        Edit("train_lib.py", "    torch.cuda.set_device(device)\n", "", "device",
-             "CUDA -> CPU: no device to set"),
-        Edit("train_lib.py", "            device_id=torch.cuda.current_device(),\n",
-             '            device_id=torch.device("cpu"),\n', "device", "CUDA -> CPU"),
-        Edit("train_lib.py", "    torch.cuda.synchronize()\n", "", "device",
-             "CUDA -> CPU: nothing to synchronize", count=2),
-        Edit("train_lib.py", "        nvtx_warmup_iters = 3\n",
-             '        nvtx_warmup_iters = float("inf")\n', "device",
-             "NVTX ranges are CUDA-only: never started"),
-        Edit("data/pipelines/hf_data_pipeline.py", "from datasets import load_from_disk\n",
-             "load_from_disk = None\n", "dep",
-             "the datasets package is not installed; only --dataset_type hf uses it"),
+        *CPU_EDITS,
         *V2_EDITS[-3:],  # stdev of one rank, SMP torch's process_group=, DCP's coordinator
         Edit("checkpoints.py", '                optim_state["optimizer"], model, optimizer\n',
              '                model, optimizer, optim_state["optimizer"]\n', "torch",
