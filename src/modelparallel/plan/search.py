@@ -22,7 +22,7 @@ from typing import Any
 
 from modelparallel.config import Config, ConfigError
 from modelparallel.data import BatchSizeError
-from modelparallel.parallel.context_parallel.hugging_face import MODEL_TYPES
+from modelparallel.parallel.context_parallel.hugging_face import find_causal_lm
 from modelparallel.plan import JobPlan, PlanError, plan_job
 from modelparallel.plan.device_model import DeviceModel
 from modelparallel.plan.estimate import StepEstimate, estimate_step
@@ -103,12 +103,12 @@ def search(work: Workload, device: DeviceModel, memory_per_device: int) -> list[
 
 
 def _splits_sequences(work: Workload) -> bool:
-    """Whether context parallelism knows the model (built on fake tensors to see it):
-    a Hugging Face causal LM of ``MODEL_TYPES``. Whether this one's settings allow it
-    (attention implementation, sliding window, dropout) its layouts' plans say."""
+    """Whether context parallelism knows the model (built on fake tensors to see it),
+    as ``transform`` finds it. Whether this one's settings allow it (attention
+    implementation, sliding window, dropout) its layouts' plans say."""
     with fake_tensors():
         model = work.build()
-    return getattr(getattr(model, "config", None), "model_type", None) in MODEL_TYPES
+    return find_causal_lm(model) is not None
 
 
 def _unsplittable(work: Workload, config: dict[str, Any]) -> str | None:

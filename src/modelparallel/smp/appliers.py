@@ -14,6 +14,7 @@ from modelparallel.observe.fit_check import warn_if_state_cannot_fit
 from modelparallel.parallel import context_parallel, sharding, stale_params, unused_grads
 from modelparallel.parallel import replicate as replicating
 from modelparallel.parallel.blocks import BlockSpec
+from modelparallel.parallel.context_parallel.ring import COMM_TYPES
 from modelparallel.parallel.tensor import transform as splitting  # the module
 from modelparallel.smp.state import state
 from modelparallel.smp.v2.moe import NOT_SUPPORTED as MOE_NOT_SUPPORTED
@@ -31,7 +32,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
             f"transform(config={config!r}): SMP's transformer configuration options are not "
             f"supported by modelparallel (it splits the model you pass as it is); pass "
             f"config=None")
-    if cp_comm_type not in ("p2p", "all_gather"):
+    if cp_comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type={cp_comm_type!r}; SMP accepts 'p2p' or 'all_gather'")
     if cp_comm_type != "p2p" and ctx.topology.cp == 1:
         notice("transform(cp_comm_type=%r) has no effect: context_parallel_degree is 1",

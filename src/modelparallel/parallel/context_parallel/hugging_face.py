@@ -36,11 +36,11 @@ from modelparallel.config import ConfigError
 from modelparallel.module_state import lookup, state_of
 from modelparallel.parallel.context_parallel import split
 from modelparallel.parallel.context_parallel.ring import COMM_TYPES, ring_attention
+from modelparallel.parallel.token_count import IGNORE_INDEX, valid_targets
 
 ATTENTION = "modelparallel_context_parallel"
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox")
 USER_IMPLEMENTATIONS = ("eager", "sdpa")
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,9 @@ def install(model: nn.Module, group: dist.ProcessGroup, comm_type: str) -> nn.Mo
     cannot split exactly."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type={comm_type!r}; use 'p2p' or 'all_gather'")
-    causal_lm = _find_causal_lm(model)
-    config = _check_model(causal_lm)
+    causal_lm = find_causal_lm(model)
+    config = _check_model(model if causal_lm is None else causal_lm)
+    assert causal_lm is not None  # _check_model refused a model without one
     setting = SequenceSplit(group, dist.get_rank(group), dist.get_world_size(group),
                             comm_type, config._attn_implementation)
     _register()
@@ -75,13 +76,13 @@ def install(model: nn.Module, group: dist.ProcessGroup, comm_type: str) -> nn.Mo
     return model
 
 
-def _find_causal_lm(model: nn.Module) -> nn.Module:
-    """``model``, or the outermost module in it of a supported type (a script's own
-    wrapper around a Hugging Face model)."""
+def find_causal_lm(model: nn.Module) -> nn.Module | None:
+    """The outermost module of ``model`` (itself, or one inside a script's own wrapper)
+    whose Hugging Face ``model_type`` context parallelism knows; None if none is."""
     for module in model.modules():
         if getattr(getattr(module, "config", None), "model_type", None) in MODEL_TYPES:
             return module
-    return model
+    return None
 
 
 def _check_model(model: nn.Module) -> Any:
@@ -191,6 +192,6 @@ def _mean_count(targets: torch.Tensor, setting: SequenceSplit) -> torch.Tensor:
     """The group's count of targets over ``cp``: each rank's summed loss over it is its
     share of the whole sequences' mean loss times ``cp`` (the data-parallel average
     divides by ``cp`` again)."""
-    count = (targets != IGNORE_INDEX).sum().to(torch.get_default_dtype())
+    count = valid_targets(targets).to(torch.get_default_dtype())
     dist.all_reduce(count, group=setting.group)
     return count / setting.cp_size
