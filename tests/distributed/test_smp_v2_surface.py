@@ -1,7 +1,10 @@
 """SMP v2's ``tsm.state`` attributes, ``transform(load_state_dict_from_rank0=...)`` and
-the refusals of context and expert parallelism, in 4 real processes."""
+the refusal of expert parallelism and of bad transform arguments, and the notice of a
+``cp_comm_type`` without context parallelism, in 4 real processes (context parallelism
+itself: test_context_parallel.py)."""
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -151,6 +154,15 @@ def refusals_case():
         got[type(config).__name__] = str(e.value)
     with pytest.raises(ValueError, match="cp_comm_type='ring'; SMP accepts 'p2p' or"):
         tsm.transform(GPT(CFG), cp_comm_type="ring")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("modelparallel").addHandler(handler)
+    try:
+        tsm.transform(GPT(CFG), cp_comm_type="all_gather")  # context_parallel_degree is 1
+    finally:
+        logging.getLogger("modelparallel").removeHandler(handler)
+    got["cp_comm_type notices"] = seen
     if dist.get_rank() == 0:
         with pytest.raises(ConfigError, match="rank 0's model is on the meta device"), \
                 torch.device("meta"):
@@ -162,10 +174,15 @@ def refusals_case():
 
 
 def test_expert_parallelism_and_bad_arguments_are_refused(workers):
-    for got in workers(4).run(refusals_case):
+    results = workers(4).run(refusals_case)
+    for got in results:
         assert got["MoEConfig"].startswith("expert parallelism (mixture-of-experts layers "
                                            "split over ranks) is not supported yet")
         assert "SMP's transformer configuration options are not supported" in got["dict"]
+    notices = [got["cp_comm_type notices"] for got in results]
+    assert notices[0] == ["transform(cp_comm_type='all_gather') has no effect: "
+                          "context_parallel_degree is 1"]
+    assert notices[1:] == [[]] * 3  # one line per run, from rank 0
 
 
 def test_expert_degree_is_refused():
