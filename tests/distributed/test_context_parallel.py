@@ -9,6 +9,11 @@ parameter and every optimizer state at the end with one process training the who
 sequences. Some labels are -100 (padding), so the ranks of a group hold different
 numbers of targets: a per-rank mean would differ from one process there. The
 optimizer is SGD with momentum: a wrong gradient shows in every parameter.
+
+With attention dropout the one process runs dense attention dropping the weights that
+the library's masks of global positions name (``context_parallel/dropout.py``), its
+seeds drawn from the generator as the library draws them: the split run must drop the
+same weights, in the forward and in the recomputation of activation checkpointing.
 """
 
 from __future__ import annotations
@@ -23,16 +28,19 @@ STEPS, ROWS, SEQ, VOCAB = 3, 4, 16, 128
 LR = 0.5
 
 
-def build(family: str) -> nn.Module:
+POSITIONAL_DROPOUT = "test_dense_positional_dropout"
+
+
+def build(family: str, dropout: float = 0.0, attention: str = "eager") -> nn.Module:
     import transformers
 
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=SEQ,
-                  use_cache=False, tie_word_embeddings=False, attn_implementation="eager")
+                  use_cache=False, tie_word_embeddings=False, attn_implementation=attention,
+                  attention_dropout=dropout)
     if family == "gpt_neox":
-        config = transformers.GPTNeoXConfig(**common, rotary_pct=0.5, hidden_dropout=0.0,
-                                            attention_dropout=0.0)
+        config = transformers.GPTNeoXConfig(**common, rotary_pct=0.5, hidden_dropout=0.0)
         return transformers.GPTNeoXForCausalLM(config)
     kinds = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
@@ -64,9 +72,35 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
+def dense_positional_dropout(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None,
+                             scaling: float, dropout: float = 0.0, **kwargs):
+    """Eager attention whose dropout drops what the library's masks name (a seed drawn per
+    call from the generator, masks of positions in the whole sequence)."""
+    from modelparallel.parallel.context_parallel.dropout import draw_seed, positional_masks
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    weights = query @ key.transpose(2, 3) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask[..., :key.shape[-2]]
+    weights = weights.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout:
+        every = torch.arange(query.shape[2])
+        masks = positional_masks(draw_seed(query.device), dropout, *query.shape[:2])
+        weights = weights * masks(every, every) / (1 - dropout)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
 @functools.cache
-def reference(family: str) -> tuple[list[float], dict, dict]:
-    model = build(family)
+def reference(family: str, dropout: float = 0.0) -> tuple[list[float], dict, dict]:
+    if dropout:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+        AttentionInterface.register(POSITIONAL_DROPOUT, dense_positional_dropout)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(POSITIONAL_DROPOUT, eager_mask)
+    model = build(family, dropout, POSITIONAL_DROPOUT if dropout else "eager")
     opt = optimizer(model)
     losses = []
     for ids, labels in batches():
@@ -81,7 +115,8 @@ def reference(family: str) -> tuple[list[float], dict, dict]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, states
 
 
-def cp_case(family: str, config: dict, wrapper: str, comm: str, token_count: bool):
+def cp_case(family: str, config: dict, wrapper: str, comm: str, token_count: bool,
+            dropout: float):
     """This rank's run; what differs from :func:`reference` (empty when nothing does)."""
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -101,7 +136,7 @@ def cp_case(family: str, config: dict, wrapper: str, comm: str, token_count: boo
 
     tsm.reset()
     tsm.init({**config, "prescaled_batch": True})
-    model = tsm.transform(build(family), cp_comm_type=comm)
+    model = tsm.transform(build(family, dropout), cp_comm_type=comm)
     layers = {type(model.model.layers[0] if family != "gpt_neox"
                    else model.gpt_neox.layers[0])}
     if wrapper == "fsdp1":
@@ -126,7 +161,7 @@ def cp_case(family: str, config: dict, wrapper: str, comm: str, token_count: boo
         value = loss.detach().double()
         dist.all_reduce(value)
         losses.append(float(value) / dist.get_world_size())
-    ref_losses, ref_params, ref_states = reference(family)
+    ref_losses, ref_params, ref_states = reference(family, dropout)
     # without a global token count the data-parallel groups' means are averaged: the
     # losses are one process's only with one data-parallel group
     compare_losses = token_count or rows[1] == 1
@@ -140,24 +175,28 @@ def cp_case(family: str, config: dict, wrapper: str, comm: str, token_count: boo
     return problems
 
 
-# id: (world size, configuration, wrapper, cp_comm_type, model, mp.global_token_count)
+# id: (world size, configuration, wrapper, cp_comm_type, model, mp.global_token_count,
+#      attention dropout)
 CASES = {
     "llama-fsdp1-p2p": (2, {"context_parallel_degree": 2, "hybrid_shard_degree": 2},
-                        "fsdp1", "p2p", "llama", False),
+                        "fsdp1", "p2p", "llama", False, 0.0),
     "llama-shard-all_gather": (2, {"context_parallel_degree": 2}, "shard", "all_gather",
-                               "llama", False),
+                               "llama", False, 0.0),
     "qwen3-fsdp1-all_gather": (2, {"context_parallel_degree": 2, "hybrid_shard_degree": 2},
-                               "fsdp1", "all_gather", "qwen3", False),
+                               "fsdp1", "all_gather", "qwen3", False, 0.0),
     "gpt_neox-shard-p2p": (2, {"context_parallel_degree": 2}, "shard", "p2p", "gpt_neox",
-                           False),
+                           False, 0.0),
     "mistral-shard-p2p": (2, {"context_parallel_degree": 2}, "shard", "p2p", "mistral",
-                          False),
+                          False, 0.0),
     "llama-hsd2-4ranks-p2p-token-count": (
         4, {"context_parallel_degree": 2, "hybrid_shard_degree": 2}, "fsdp1", "p2p",
-        "llama", True),
+        "llama", True, 0.0),
     "llama-tp2-4ranks-all_gather": (
         4, {"context_parallel_degree": 2, "tensor_parallel_degree": 2,
-            "hybrid_shard_degree": 2}, "fsdp1", "all_gather", "llama", True),
+            "hybrid_shard_degree": 2}, "fsdp1", "all_gather", "llama", True, 0.0),
+    "llama-attention-dropout-fsdp1-p2p": (
+        2, {"context_parallel_degree": 2, "hybrid_shard_degree": 2}, "fsdp1", "p2p",
+        "llama", False, 0.2),
 }
 
 
@@ -169,10 +208,10 @@ EXTENDED = {"llama-shard-all_gather", "qwen3-fsdp1-all_gather", "gpt_neox-shard-
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended)
                                   if c in EXTENDED else c for c in CASES])
 def test_context_parallel_trains_as_one_process(workers, case):
-    world, config, wrapper, comm, family, token_count = CASES[case]
+    world, config, wrapper, comm, family, token_count, dropout = CASES[case]
     for rank, problems in enumerate(workers(world).run(
             cp_case, family=family, config=config, wrapper=wrapper, comm=comm,
-            token_count=token_count)):
+            token_count=token_count, dropout=dropout)):
         assert problems == [], rank
 
 

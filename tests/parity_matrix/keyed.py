@@ -16,6 +16,10 @@ The library's own random numbers are proven apart (tests/distributed/test_random
 - Recomputation (activation checkpointing) calls a dropout again outside the forward
   that knew the samples: it finds them by the input's bytes, which recomputation
   reproduces exactly.
+- Context parallelism: a rank holds two chunks of each sequence. Its hidden-state masks
+  are cut from the whole sequence's at its global positions, and its attention is the
+  library's ring attention with masks cut from the whole (sample, head, query, key)
+  mask (:func:`transform`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ class Samples:
 
     running: torch.Tensor | None = None
     seen: dict[tuple[int, bytes], torch.Tensor] = field(default_factory=dict)
+    # context parallelism: the global positions of a rank's sequence, and the whole length
+    positions: torch.Tensor | None = None
+    length: int = 0
 
 
 def encode(x: torch.Tensor, first: int, vocab: int) -> torch.Tensor:
@@ -84,6 +91,12 @@ class Keyed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, numbers = decode(x, self.vocab)
         self.samples.running = None if x.is_meta else numbers
+        split = _sequence_split(self.model)
+        if split is not None:  # this rank's chunks of each sequence
+            from modelparallel.parallel.context_parallel.split import positions
+
+            self.samples.positions = positions(split.cp_rank, split.cp_size, x.shape[1])
+            self.samples.length = split.cp_size * x.shape[1]
         out = self.model(x)
         return out.logits if self.hugging_face else out
 
@@ -111,7 +124,12 @@ class KeyedDropout(nn.Module):
         shape, first = list(x.shape[1:]), 0
         if self.heads is not None and self.heads != shape[0]:
             shape[0], first = self.heads, _tp_rank() * x.shape[1]
+        positions = self.samples.positions
+        if self.heads is None and positions is not None:  # (B, S, ...): the whole sequence's
+            shape[0] = self.samples.length
         keep = torch.stack([_uniform(self.index, int(n), shape) >= p for n in numbers.tolist()])
+        if self.heads is None and positions is not None:
+            keep = keep[:, positions]
         keep = keep[:, first:first + x.shape[1]]
         return x * keep.to(device=x.device, dtype=x.dtype) * (1.0 / (1.0 - p))
 
@@ -160,7 +178,11 @@ def keyed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, attention_mask: torch.Tensor | None,
                     scaling: float | None = None, dropout: float = 0.0,
                     **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face's eager attention, its weights dropped by the module's keyed dropout."""
+    """Hugging Face's eager attention, its weights dropped by the module's keyed dropout;
+    under context parallelism the library's ring attention, dropping the same weights."""
+    split = _sequence_split(module)
+    if split is not None:
+        return _keyed_ring_attention(module, query, key, value, split, scaling, dropout), None
     groups = query.shape[1] // key.shape[1]  # grouped-query attention
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -171,3 +193,51 @@ def keyed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     dropped: KeyedDropout = module.keyed_weights_dropout  # type: ignore[assignment]
     weights = dropped(weights, p=dropout)
     return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+def _sequence_split(module: nn.Module):
+    """How context parallelism splits ``module``'s sequences, or None."""
+    from modelparallel.module_state import lookup
+
+    return lookup(module, "context_parallel")
+
+
+def _keyed_ring_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, split, scaling: float | None,
+                          dropout: float) -> torch.Tensor:
+    """Ring attention whose masks are cut from the whole sequence's keyed mask of each
+    sample (the one :func:`keyed_attention` draws on one process)."""
+    from modelparallel.parallel.context_parallel.ring import ring_attention
+
+    masks = None
+    dropped: KeyedDropout = module.keyed_weights_dropout  # type: ignore[assignment]
+    if dropout and module.training:
+        numbers = dropped._numbers(query)  # found again by the bytes when recomputed
+        heads, length = query.shape[1], split.cp_size * query.shape[2]
+        first = _tp_rank() * heads if dropped.heads != heads else 0
+        whole = torch.stack([_uniform(dropped.index, int(n), [dropped.heads, length, length])
+                             >= dropout for n in numbers.tolist()])[:, first:first + heads]
+        whole = whole.to(query.device)
+
+        def masks(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            return whole[:, :, rows][..., cols]
+
+    out = ring_attention(query, key, value, split.group, split.comm_type, scaling,
+                         dropout if masks is not None else 0.0, masks)
+    return out.transpose(1, 2).contiguous()
+
+
+def transform(mp, model: nn.Module, context_parallel: bool) -> nn.Module:
+    """``mp.transform`` of a zoo model. Context parallelism replaces only the attention
+    implementations users set (eager, sdpa): keyed attention is set back after it, and
+    then runs the ring itself (:func:`keyed_attention`)."""
+    from modelparallel.parallel.context_parallel.hugging_face import find_causal_lm
+
+    causal_lm = find_causal_lm(model) if context_parallel else None
+    keyed = causal_lm is not None and causal_lm.config._attn_implementation == ATTENTION
+    if keyed:
+        causal_lm.set_attn_implementation("eager")
+    model = mp.transform(model)
+    if keyed:
+        causal_lm.set_attn_implementation(ATTENTION)
+    return model

@@ -46,8 +46,7 @@ def expected_refusal(case: Case) -> Refusal | None:
 
 
 def _context_parallel_refusal(case: Case) -> Refusal | None:
-    """SMP v2's context parallelism needs tsm.transform on a model it knows how to split;
-    ring attention has no dropout (the zoo's Hugging Face models drop attention weights)."""
+    """SMP v2's context parallelism needs tsm.transform on a model it knows how to split."""
     key = "context_parallel_degree"
     if case.layout.dp_shard % case.layout.cp:  # the shard group holds the cp groups
         return Refusal("hybrid_shard_degree", "is not a multiple of context_parallel_degree",
@@ -60,6 +59,4 @@ def _context_parallel_refusal(case: Case) -> Refusal | None:
     if case.model not in CONTEXT_PARALLEL_MODELS:
         return Refusal(key, "is not a model context parallelism knows how to split",
                        by_config=False)
-    if case.dropout:
-        return Refusal(key, "ring attention has no dropout", by_config=False)
     return None

@@ -263,7 +263,7 @@ def allowed(layout: Layout, path: str, axis: str) -> tuple[Any, ...]:
     if layout.cp > 1 and path in CONTEXT_PARALLEL_PATHS:  # what it splits (refusals.py):
         if axis == "model":  # the rest is refused, once each in regression_cases
             return CONTEXT_PARALLEL_MODELS
-        if axis == "dropout":
+        if axis == "dropout":  # dropout twins of these cases are added (full_cases)
             return (False,)
     return values
 
@@ -334,7 +334,11 @@ def full_cases(seed: int = 0) -> list[Case]:
         base = next(b for b in cheapest
                     if all(v in options[b][a] for a, v in fixed.items()))
         add(base, assign(base, fixed))
-    return cases
+    # every case context parallelism splits again with dropout: its ring attention and
+    # hidden states drop by global position. Added after the search, so that the other
+    # cases stay the ones earlier runs judged.
+    return cases + [dataclasses.replace(c, dropout=True) for c in cases
+                    if c.layout.cp > 1 and c.path in CONTEXT_PARALLEL_PATHS]
 
 
 def _gain(assignment: dict[str, Any], covered: set[tuple]) -> int:
@@ -410,7 +414,7 @@ def regression_cases() -> list[Case]:
         Case(L(4, 1, 1, 2), "shard", "gpt", precision="fp16", note="fp16 with mp.shard"),
         Case(L(2, 1, 1, 0, cp=2), "shard", "gpt", note="cp: a model it cannot split"),
         Case(L(2, 1, 1, 0, cp=2), "fsdp1", "llama", dropout=True,
-             note="cp: attention dropout"),
+             note="cp: attention dropout, judged"),
         Case(L(4, 1, 1, 1, cp=2), "shard", "llama",
              note="cp: hybrid_shard_degree not a multiple of it"),
     ]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from modelparallel.quiet import quiet_logs
-from parity_matrix import mutations, zoo
+from parity_matrix import keyed, mutations, zoo
 from parity_matrix.space import ACCUMULATION, STEPS, Case
 
 SEED = 0
@@ -330,7 +330,7 @@ def _wrap_v2(case: Case, mp, model: nn.Module, device: torch.device) -> nn.Modul
         if case.checkpointing:
             _checkpoint_blocks(model)
         return sdp.DistributedDataParallel(model)
-    model = mp.transform(model)
+    model = keyed.transform(mp, model, case.layout.cp > 1)  # (keeps keyed attention)
     if case.path == "shard":
         if case.checkpointing:
             _checkpoint_blocks(model)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from modelparallel.parallel.context_parallel.dropout import AttentionDropout
+
 
 @dataclass
 class Segment:
@@ -44,6 +46,20 @@ def _take(x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
 ROW_TILE = 256
 
 
+def _global_rows(query_chunk: int, half: int, first: int, count: int,
+                 device: torch.device) -> torch.Tensor:
+    """Positions in the whole sequence of rows ``first``.. of a query chunk."""
+    start = query_chunk * half + first
+    return torch.arange(start, start + count, device=device)
+
+
+def _global_keys(key_chunks: tuple[int, int], seg: Segment, half: int,
+                 device: torch.device) -> torch.Tensor:
+    """Positions in the whole sequence of a segment's keys."""
+    return torch.cat([torch.arange(key_chunks[i] * half, (key_chunks[i] + 1) * half,
+                                   device=device) for i in seg.keys])
+
+
 def _tiles(chunk: int, half: int) -> list[tuple[slice, int]]:
     """(rows of the local sequence, first row within the chunk) of each tile of query
     chunk ``chunk`` (0 or 1) of a local sequence of two chunks of ``half`` rows."""
@@ -71,12 +87,13 @@ def _expand(kv: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           query_chunks: tuple[int, int], key_chunks: tuple[int, int],
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+           query_chunks: tuple[int, int], key_chunks: tuple[int, int], scale: float,
+           dropout: AttentionDropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of local queries ``q`` (B, H, L, D, in the working dtype) to one block
     of keys and values (B, Hkv, L, D, in the model's dtype): the block's output (B, H, L, D) and
     log-sum-exp (B, H, L); rows that see nothing of the block have output 0 and
-    log-sum-exp -inf."""
+    log-sum-exp -inf. ``dropout`` drops weights after the softmax (the log-sum-exp is
+    the undropped one, so blocks merge as without it)."""
     groups = q.shape[1] // k.shape[1]
     half = q.shape[-2] // 2
     out = torch.zeros_like(q)
@@ -86,10 +103,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             continue
         kk = _expand(_take(k, seg.keys), groups, q.dtype)
         vv = _expand(_take(v, seg.keys), groups, q.dtype)
+        key_positions = _global_keys(key_chunks, seg, half, q.device) if dropout else None
         for rows, first in _tiles(i, half):
             s = _scores(q[..., rows, :], kk, seg, scale, first)
             block_lse = torch.logsumexp(s, dim=-1)
-            out[..., rows, :] = torch.exp(s - block_lse.unsqueeze(-1)) @ vv
+            p = torch.exp(s - block_lse.unsqueeze(-1))
+            if dropout is not None and key_positions is not None:
+                p = p * dropout.scale(_global_rows(query_chunks[i], half, first,
+                                                   p.shape[-2], q.device), key_positions,
+                                      p.dtype)
+            out[..., rows, :] = p @ vv
             lse[..., rows] = block_lse
     return out, lse
 
@@ -106,10 +129,12 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     query_chunks: tuple[int, int], key_chunks: tuple[int, int], scale: float,
                     lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
+                    dropout: AttentionDropout | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block's share of the attention, given the merged log-sum-exp
     ``lse`` (B, H, L), the output's gradient ``dout`` and ``delta`` = rowsum(dout * out):
-    (dq (B, H, L, D), dk and dv (B, Hkv, L, D)), in the working dtype."""
+    (dq (B, H, L, D), dk and dv (B, Hkv, L, D)), in the working dtype. ``dropout``: the
+    forward's, whose masks are drawn again (they are functions of positions)."""
     groups = q.shape[1] // k.shape[1]
     half = q.shape[-2] // 2
     dq = torch.zeros_like(q)
@@ -121,13 +146,21 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kk = _expand(_take(k, seg.keys), groups, q.dtype)
         vv = _expand(_take(v, seg.keys), groups, q.dtype)
         dk_seg, dv_seg = torch.zeros_like(kk), torch.zeros_like(vv)
+        key_positions = _global_keys(key_chunks, seg, half, q.device) if dropout else None
         for rows, first in _tiles(i, half):
             qi, doi = q[..., rows, :], dout[..., rows, :]
             p = torch.exp(_scores(qi, kk, seg, scale, first) - lse[..., rows].unsqueeze(-1))
-            ds = p * (doi @ vv.transpose(-2, -1) - delta[..., rows].unsqueeze(-1)) * scale
+            dp = doi @ vv.transpose(-2, -1)  # the gradient of the (dropped) weights
+            kept = p
+            if dropout is not None and key_positions is not None:
+                factor = dropout.scale(_global_rows(query_chunks[i], half, first,
+                                                    p.shape[-2], q.device), key_positions,
+                                       p.dtype)
+                dp, kept = dp * factor, p * factor
+            ds = p * (dp - delta[..., rows].unsqueeze(-1)) * scale
             dq[..., rows, :] += ds @ kk
             dk_seg += ds.transpose(-2, -1) @ qi
-            dv_seg += p.transpose(-2, -1) @ doi
+            dv_seg += kept.transpose(-2, -1) @ doi
         for j, chunk in enumerate(seg.keys):
             keys = slice(chunk * half, (chunk + 1) * half)
             dk[..., keys, :] += dk_seg[..., j * half:(j + 1) * half, :]

@@ -18,8 +18,9 @@
   whole sequence's mean loss; a ``num_items_in_batch`` the caller passes (e.g.
   ``mp.global_token_count(labels, shift=True)``) is kept.
 
-Padding masks are refused (mask labels with -100 instead), as are sliding-window
-attention (as SMP refuses it) and attention dropout.
+Attention dropout drops the weights the model's own attention would, with masks of
+global positions (``dropout.py``). Padding masks are refused (mask labels with -100
+instead), as is sliding-window attention (as SMP refuses it).
 """
 
 from __future__ import annotations
@@ -112,9 +113,6 @@ def _check_model(model: nn.Module) -> Any:
             problems.append(f"{name} uses sliding-window attention (sliding_window="
                             f"{config.sliding_window}), which context parallelism does not "
                             "support (nor does SMP); set config.sliding_window = None")
-        if getattr(config, "attention_dropout", 0.0):
-            problems.append(f"{name} has attention_dropout={config.attention_dropout}; ring "
-                            "attention has no dropout: set it to 0.0 (Llama's default)")
     if problems:
         raise ConfigError([("context_parallel_degree", p) for p in problems])
     return config
@@ -142,10 +140,8 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if kwargs.get("sliding_window") is not None:
         raise ConfigError([("context_parallel_degree", "sliding-window attention cannot be "
                             "split over context-parallel ranks")])
-    if dropout:
-        raise ConfigError([("context_parallel_degree", f"attention dropout {dropout} with "
-                            "context parallelism; set the model's attention_dropout to 0.0")])
-    out = ring_attention(query, key, value, setting.group, setting.comm_type, scaling)
+    out = ring_attention(query, key, value, setting.group, setting.comm_type, scaling,
+                         dropout)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -14,9 +14,11 @@ keys and values of every rank must meet every rank's queries; SMP's two ways
   all-to-all and sums.
 
 Partial results are merged with their log-sum-exp (``blocks.py``), so the result is
-the softmax over the whole sequence. Keys and values travel in the model's dtype (bf16
-stays bf16), gradients in the working dtype (float32 at least). Only the local keys
-and values are kept for the backward: the blocks are exchanged again there.
+the softmax over the whole sequence. Attention dropout masks are functions of global
+positions (``dropout.py``): the backward draws the forward's again, at any degree.
+Keys and values travel in the model's dtype (bf16 stays bf16), gradients in the working
+dtype (float32 at least). Only the local keys and values are kept for the backward:
+the blocks are exchanged again there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ import torch
 import torch.distributed as dist
 
 from modelparallel.parallel.context_parallel import blocks
+from modelparallel.parallel.context_parallel.dropout import (
+    AttentionDropout,
+    Masks,
+    draw_seed,
+    positional_masks,
+)
 from modelparallel.parallel.context_parallel.split import chunks_of
 
 COMM_TYPES = ("p2p", "all_gather")
@@ -77,7 +85,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                group: dist.ProcessGroup, comm_type: str, scale: float) -> torch.Tensor:
+                group: dist.ProcessGroup, comm_type: str, scale: float,
+                dropout: AttentionDropout | None) -> torch.Tensor:
         me, size = dist.get_rank(group), dist.get_world_size(group)
         mine = chunks_of(me, size)
         work = _work_dtype(q)
@@ -86,14 +95,14 @@ class RingAttention(torch.autograd.Function):
         out = lse = None
         for source, block in _blocks(kv, group, comm_type):
             b_out, b_lse = blocks.attend(qf, block[0], block[1], mine,
-                                         chunks_of(source, size), scale)
+                                         chunks_of(source, size), scale, dropout)
             if out is None or lse is None:  # the first block is the rank's own
                 out, lse = b_out, b_lse
             else:
                 out, lse = blocks.merge(out, lse, b_out, b_lse)
         assert out is not None and lse is not None
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.comm_type, ctx.scale = group, comm_type, scale
+        ctx.group, ctx.comm_type, ctx.scale, ctx.dropout = group, comm_type, scale, dropout
         return out.to(q.dtype)
 
     @staticmethod
@@ -111,7 +120,7 @@ class RingAttention(torch.autograd.Function):
         def grads_of(source: int, block: torch.Tensor) -> torch.Tensor:
             b_dq, b_dk, b_dv = blocks.attend_backward(
                 qf, block[0], block[1], mine, chunks_of(source, size), scale, lse, doutf,
-                delta)
+                delta, ctx.dropout)
             dq.add_(b_dq)
             return torch.stack([b_dk, b_dv])
 
@@ -120,7 +129,7 @@ class RingAttention(torch.autograd.Function):
             dkv = _scatter_grads([grads_of(s, b) for s, b in enumerate(pieces)], group)
         else:
             dkv = _ring_backward(kv, group, grads_of)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def _blocks(kv: torch.Tensor, group: dist.ProcessGroup, comm_type: str):
@@ -161,15 +170,27 @@ def _ring_backward(kv: torch.Tensor, group: dist.ProcessGroup, grads_of) -> torc
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: dist.ProcessGroup, comm_type: str = "p2p",
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, dropout: float = 0.0,
+                   masks: Masks | None = None) -> torch.Tensor:
     """Causal attention of this rank's local queries (B, H, L, D) against the keys and
     values (B, Hkv, L, D) of every rank of ``group`` (collective over it); returns
-    (B, H, L, D) in ``q``'s dtype. ``L`` is the rank's two chunks (``split.py``)."""
+    (B, H, L, D) in ``q``'s dtype. ``L`` is the rank's two chunks (``split.py``).
+
+    ``dropout``: the probability of dropping an attention weight; which are dropped is
+    ``masks`` (of global query and key positions), by default
+    ``dropout.positional_masks`` of a seed drawn now from the live generator."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type={comm_type!r}; use 'p2p' or 'all_gather'")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} "
                          "key/value heads")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"attention dropout {dropout}: a probability in [0, 1) is needed")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out: torch.Tensor = RingAttention.apply(q, k, v, group, comm_type, scale)
+    drop = None
+    if dropout > 0.0:
+        if masks is None:
+            masks = positional_masks(draw_seed(q.device), dropout, q.shape[0], q.shape[1])
+        drop = AttentionDropout(dropout, masks)
+    out: torch.Tensor = RingAttention.apply(q, k, v, group, comm_type, scale, drop)
     return out
