@@ -11,6 +11,7 @@ a message naming the parameter, its stage and the fix. Checkpoints hold exactly 
 model's own parameters.
 """
 
+import copy
 import os
 
 import pytest
@@ -192,6 +193,62 @@ def test_another_stages_parameter_metadata_is_read_truthfully(workers, tmp_path)
                     torch.float32, "cpu")
     sharded, full = saved
     assert sharded == names and full == names  # no stand-in, no placeholder, none missing
+
+
+def outside_forward_case():
+    """What a script reads of the model after the split, outside the forward."""
+    mp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    one = {n: (p.dtype, tuple(p.shape), str(p.device), p.requires_grad)
+           for n, p in bert().named_parameters()}
+    net = mp.DistributedModel(bert())
+    optimizer = mp.DistributedOptimizer(sgd(net.parameters()))
+
+    @mp.step
+    def train_step(net, ids, mask, labels):
+        loss = F.cross_entropy(net(ids, mask).flatten(0, 1), labels.flatten())
+        net.backward(loss)
+        return loss
+
+    ids, mask, labels = batches(256)[0]
+    train_step(net, ids, mask, labels)
+    optimizer.step()
+    hf = net.get_module()
+    seen = {n: (p.dtype, tuple(p.shape), str(p.device), p.requires_grad)
+            for n, p in hf.named_parameters()}
+    elsewhere = sorted(set(seen) - {n for n, _ in net.local_named_parameters()})
+    refusal = None
+    if elsewhere:
+        try:
+            float(hf.get_parameter(elsewhere[0]).sum())
+        except Exception as e:
+            refusal = f"{type(e).__name__}: {e}"
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {"one process": one, "seen": seen, "elsewhere": elsewhere, "refusal": refusal,
+            "HF dtype and device": (hf.dtype, str(hf.device), str(next(net.parameters()).device)),
+            "optimizes only its own": optimized == {id(p) for p in net.local_parameters()},
+            "copy": str(copy.deepcopy(hf).get_parameter(elsewhere[0]).device)
+            if elsewhere else None}
+
+
+def test_another_stages_parameters_report_their_metadata_outside_the_forward(workers):
+    """Criterion: after the split, a script reads every parameter's dtype, shape,
+    device and requires_grad, HF's model.dtype / model.device and
+    next(model.parameters()).device as one process does (cpu here, not meta), on the
+    stage that holds it and on the other; the optimizer has only the rank's own; reading
+    another stage's values is refused naming the parameter, its stage and the fix."""
+    results = workers(2).run(outside_forward_case)
+    for r in results:
+        assert r["seen"] == r["one process"]
+        assert r["HF dtype and device"] == (torch.float32, "cpu", "cpu")
+        assert r["optimizes only its own"]
+    assert results[1]["elsewhere"], "the second stage holds every parameter"
+    assert "bert.embeddings.position_embeddings.weight" in results[1]["elsewhere"]
+    assert results[1]["copy"] == "cpu"  # copy.deepcopy of the model keeps the device
+    name = results[1]["elsewhere"][0]
+    refusal = results[1]["refusal"]
+    assert refusal.startswith(f"AbsentValueError: the model reads the values of {name!r} "
+                              "(in torch operation 'sum'), which pipeline stage 0"), refusal
+    assert "read them from model.state_dict()" in refusal
 
 
 def refused_case(reads: str):
