@@ -128,10 +128,21 @@ def reference(model: str):
             optimizer_state(optimizer, params))
 
 
-def parity_case(model: str, checkpoints: str | None = None):
+def parity_case(model: str, checkpoints: str | None = None, recompute: bool = False):
+    """Train at pp2 and compare with one process; ``recompute``: BERT's encoder layers
+    under activation checkpointing (the calls of each layer's output block in the last
+    step are counted, as they begin: twice per microbatch when the backward
+    recomputes it)."""
     mp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
     ref, ref_optimizer = reference(model)
-    net = mp.DistributedModel(make(model))
+    module = make(model)
+    calls: dict[str, int] = {}
+    if recompute:
+        for i, layer in enumerate(module.bert.encoder.layer):
+            mp.set_activation_checkpointing(layer)
+            layer.output.register_forward_pre_hook(
+                lambda *_, name=f"layer {i}": calls.__setitem__(name, calls.get(name, 0) + 1))
+    net = mp.DistributedModel(module)
     optimizer = mp.DistributedOptimizer(sgd(net.parameters()))
 
     @mp.step
@@ -144,6 +155,7 @@ def parity_case(model: str, checkpoints: str | None = None):
     losses = []
     for ids, mask, labels in batches(vocab(model)):
         optimizer.zero_grad()
+        calls.clear()
         losses.append(float(train_step(net, ids, mask, labels).reduce_mean()))
         optimizer.step()
     assert_parity(TrainResult(losses, net.state_dict()), ref)
@@ -159,7 +171,7 @@ def parity_case(model: str, checkpoints: str | None = None):
         mp.save_checkpoint(checkpoints, "partial", partial=True)
         mp.save_checkpoint(checkpoints, "full", partial=False)
         saved = saved_names(checkpoints)
-    return sorted(held), seen[-1] if seen else None, saved, sorted(ref.params)
+    return sorted(held), seen[-1] if seen else None, saved, sorted(ref.params), calls
 
 
 def saved_names(checkpoints: str) -> tuple[list[str], list[str]]:
@@ -181,13 +193,21 @@ def test_a_bert_that_reads_the_embeddings_dtype_trains_with_parity(workers):
     assert not any(n.startswith("bert.embeddings.") for n in held[1] - held[0])
 
 
+def test_a_bert_with_activation_checkpointing_trains_with_parity(workers):
+    """Criterion: the same BERT with every encoder layer under activation checkpointing
+    (mp.set_activation_checkpointing) trains as one process without it (losses,
+    parameters, momentum); each stage recomputes the layer it holds in the backward."""
+    results = workers(2).run(parity_case, model="bert", recompute=True)
+    assert [r[-1] for r in results] == [{"layer 0": 4}, {"layer 1": 4}]  # 2 microbatches
+
+
 def test_another_stages_parameter_metadata_is_read_truthfully(workers, tmp_path):
     """Criterion: the second stage reads the first stage's ``embed.weight`` metadata as
     one process does (dtype, shape, device, requires_grad, ndim, HF's model.dtype and
     model.device), trains with parity, and its checkpoints (sharded and full) hold
     exactly the model's own parameters."""
     results = workers(2).run(parity_case, model="reader", checkpoints=str(tmp_path))
-    (held0, _, saved, names), (held1, seen, _, _) = results
+    (held0, _, saved, names, _), (held1, seen, _, _, _) = results
     assert "embed.weight" in held0 and "embed.weight" not in held1
     assert seen == (torch.float32, (VOCAB, WIDTH), "cpu", True, 2, True, WIDTH,
                     torch.float32, "cpu")
