@@ -11,6 +11,7 @@ a message naming the parameter, its stage and the fix. Checkpoints hold exactly 
 model's own parameters.
 """
 
+import copy
 import os
 
 import pytest
@@ -127,10 +128,21 @@ def reference(model: str):
             optimizer_state(optimizer, params))
 
 
-def parity_case(model: str, checkpoints: str | None = None):
+def parity_case(model: str, checkpoints: str | None = None, recompute: bool = False):
+    """Train at pp2 and compare with one process; ``recompute``: BERT's encoder layers
+    under activation checkpointing (the calls of each layer's output block in the last
+    step are counted, as they begin: twice per microbatch when the backward
+    recomputes it)."""
     mp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
     ref, ref_optimizer = reference(model)
-    net = mp.DistributedModel(make(model))
+    module = make(model)
+    calls: dict[str, int] = {}
+    if recompute:
+        for i, layer in enumerate(module.bert.encoder.layer):
+            mp.set_activation_checkpointing(layer)
+            layer.output.register_forward_pre_hook(
+                lambda *_, name=f"layer {i}": calls.__setitem__(name, calls.get(name, 0) + 1))
+    net = mp.DistributedModel(module)
     optimizer = mp.DistributedOptimizer(sgd(net.parameters()))
 
     @mp.step
@@ -143,6 +155,7 @@ def parity_case(model: str, checkpoints: str | None = None):
     losses = []
     for ids, mask, labels in batches(vocab(model)):
         optimizer.zero_grad()
+        calls.clear()
         losses.append(float(train_step(net, ids, mask, labels).reduce_mean()))
         optimizer.step()
     assert_parity(TrainResult(losses, net.state_dict()), ref)
@@ -158,7 +171,7 @@ def parity_case(model: str, checkpoints: str | None = None):
         mp.save_checkpoint(checkpoints, "partial", partial=True)
         mp.save_checkpoint(checkpoints, "full", partial=False)
         saved = saved_names(checkpoints)
-    return sorted(held), seen[-1] if seen else None, saved, sorted(ref.params)
+    return sorted(held), seen[-1] if seen else None, saved, sorted(ref.params), calls
 
 
 def saved_names(checkpoints: str) -> tuple[list[str], list[str]]:
@@ -180,18 +193,82 @@ def test_a_bert_that_reads_the_embeddings_dtype_trains_with_parity(workers):
     assert not any(n.startswith("bert.embeddings.") for n in held[1] - held[0])
 
 
+def test_a_bert_with_activation_checkpointing_trains_with_parity(workers):
+    """Criterion: the same BERT with every encoder layer under activation checkpointing
+    (mp.set_activation_checkpointing) trains as one process without it (losses,
+    parameters, momentum); each stage recomputes the layer it holds in the backward."""
+    results = workers(2).run(parity_case, model="bert", recompute=True)
+    assert [r[-1] for r in results] == [{"layer 0": 4}, {"layer 1": 4}]  # 2 microbatches
+
+
 def test_another_stages_parameter_metadata_is_read_truthfully(workers, tmp_path):
     """Criterion: the second stage reads the first stage's ``embed.weight`` metadata as
     one process does (dtype, shape, device, requires_grad, ndim, HF's model.dtype and
     model.device), trains with parity, and its checkpoints (sharded and full) hold
     exactly the model's own parameters."""
     results = workers(2).run(parity_case, model="reader", checkpoints=str(tmp_path))
-    (held0, _, saved, names), (held1, seen, _, _) = results
+    (held0, _, saved, names, _), (held1, seen, _, _, _) = results
     assert "embed.weight" in held0 and "embed.weight" not in held1
     assert seen == (torch.float32, (VOCAB, WIDTH), "cpu", True, 2, True, WIDTH,
                     torch.float32, "cpu")
     sharded, full = saved
     assert sharded == names and full == names  # no stand-in, no placeholder, none missing
+
+
+def outside_forward_case():
+    """What a script reads of the model after the split, outside the forward."""
+    mp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    one = {n: (p.dtype, tuple(p.shape), str(p.device), p.requires_grad)
+           for n, p in bert().named_parameters()}
+    net = mp.DistributedModel(bert())
+    optimizer = mp.DistributedOptimizer(sgd(net.parameters()))
+
+    @mp.step
+    def train_step(net, ids, mask, labels):
+        loss = F.cross_entropy(net(ids, mask).flatten(0, 1), labels.flatten())
+        net.backward(loss)
+        return loss
+
+    ids, mask, labels = batches(256)[0]
+    train_step(net, ids, mask, labels)
+    optimizer.step()
+    hf = net.get_module()
+    seen = {n: (p.dtype, tuple(p.shape), str(p.device), p.requires_grad)
+            for n, p in hf.named_parameters()}
+    elsewhere = sorted(set(seen) - {n for n, _ in net.local_named_parameters()})
+    refusal = None
+    if elsewhere:
+        try:
+            float(hf.get_parameter(elsewhere[0]).sum())
+        except Exception as e:
+            refusal = f"{type(e).__name__}: {e}"
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {"one process": one, "seen": seen, "elsewhere": elsewhere, "refusal": refusal,
+            "HF dtype and device": (hf.dtype, str(hf.device), str(next(net.parameters()).device)),
+            "optimizes only its own": optimized == {id(p) for p in net.local_parameters()},
+            "copy": str(copy.deepcopy(hf).get_parameter(elsewhere[0]).device)
+            if elsewhere else None}
+
+
+def test_another_stages_parameters_report_their_metadata_outside_the_forward(workers):
+    """Criterion: after the split, a script reads every parameter's dtype, shape,
+    device and requires_grad, HF's model.dtype / model.device and
+    next(model.parameters()).device as one process does (cpu here, not meta), on the
+    stage that holds it and on the other; the optimizer has only the rank's own; reading
+    another stage's values is refused naming the parameter, its stage and the fix."""
+    results = workers(2).run(outside_forward_case)
+    for r in results:
+        assert r["seen"] == r["one process"]
+        assert r["HF dtype and device"] == (torch.float32, "cpu", "cpu")
+        assert r["optimizes only its own"]
+    assert results[1]["elsewhere"], "the second stage holds every parameter"
+    assert "bert.embeddings.position_embeddings.weight" in results[1]["elsewhere"]
+    assert results[1]["copy"] == "cpu"  # copy.deepcopy of the model keeps the device
+    name = results[1]["elsewhere"][0]
+    refusal = results[1]["refusal"]
+    assert refusal.startswith(f"AbsentValueError: the model reads the values of {name!r} "
+                              "(in torch operation 'sum'), which pipeline stage 0"), refusal
+    assert "read them from model.state_dict()" in refusal
 
 
 def refused_case(reads: str):

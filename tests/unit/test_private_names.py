@@ -141,6 +141,8 @@ ATTRIBUTES = {
     "_backward_hooks": Private("torch.nn.Module instances", "the same"),
     "_c10d_functional": Private("torch.ops", "functional collectives' ops"),
     "_local_scalar_dense": Private("torch.ops.aten", "the planner answers .item()"),
+    "_to_copy": Private("torch.ops.aten", "pipeline stand-ins: a cast or move of another "
+                        "stage's tensor (.to(), model.half()) is a stand-in again"),
     "_scaled_dot_product_flash_attention": Private("torch.ops.aten", "planner: attention"),
     "_scaled_dot_product_flash_attention_backward": Private("torch.ops.aten", "the same"),
     "_scaled_dot_product_flash_attention_for_cpu": Private("torch.ops.aten", "the same"),

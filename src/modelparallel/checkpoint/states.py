@@ -55,7 +55,7 @@ def model_state(module: nn.Module, dm: Any = None, *, full: bool = False) -> dic
     """The model's state dict: sharded (DTensors, for DCP) or full (on rank 0, CPU).
 
     Of a pipeline-split DistributedModel, only what this rank holds (other stages'
-    parameters are meta tensors here)."""
+    parameters are stand-ins without values here: ``placement.is_meta``)."""
     if not full:
         _check_sharded(module)
     sd = get_model_state_dict(module, options=_options(full))

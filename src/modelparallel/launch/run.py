@@ -1,7 +1,8 @@
 """``modelparallel run``: torch.distributed.run (torchrun) with our defaults around it.
 
 What this adds to torchrun: the configuration is checked before any process starts
-and passed to the workers as ``MP_CONFIG``; output lines carry the global rank;
+and passed to the workers as ``MP_CONFIG``; output lines carry the global rank; a
+Python warning every rank emits alike is printed once (``warnings_once``);
 single-node jobs bind to loopback; and a failure ends with one summary naming the
 rank that failed first, its exit code and the tail of its traceback.
 """
@@ -31,6 +32,7 @@ from modelparallel import doctor
 from modelparallel.config import Config, normalise
 from modelparallel.config_files import read_config_file
 from modelparallel.errors import ConfigError
+from modelparallel.launch import warnings_once
 from modelparallel.launch.lifeline import RunLifeline
 from modelparallel.launch.restarts import announcing_restarts
 from modelparallel.launch.run_dir import keep_run_directory
@@ -157,8 +159,12 @@ def run_workers(opts: RunOptions) -> tuple[int, str | None]:
     for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    with tempfile.TemporaryDirectory(prefix="mp-doctor-") as doctor_dir:
+    with tempfile.TemporaryDirectory(prefix="mp-doctor-") as doctor_dir, \
+            tempfile.TemporaryDirectory(prefix="mp-warnings-") as warnings_dir:
         os.environ[doctor.FOLDER] = doctor_dir  # each rank's last call, for a postmortem
+        os.environ[warnings_once.FOLDER] = warnings_dir  # a warning once, not once per rank
+        if opts.ranks_filter:
+            os.environ[warnings_once.RANKS] = opts.ranks_filter
         stopped_by = None
         # the lifeline ends whatever of the run is left when it ends (or the launcher dies)
         with RunLifeline(), announcing_restarts(announce_restart):

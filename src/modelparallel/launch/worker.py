@@ -22,6 +22,7 @@ import traceback
 import modelparallel_compat
 from modelparallel.doctor import configured_timeout, start_from_environment
 from modelparallel.doctor.frames import is_user_file
+from modelparallel.launch import warnings_once
 from modelparallel.launch.lifeline import die_with_parent
 
 # What a collective that waited too long raises: gloo's RuntimeError ("Timed out waiting
@@ -155,6 +156,7 @@ def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m modelparallel.launch.worker script.py [args...]")
     die_with_parent()  # a worker whose launcher was killed ends too
+    warnings_once.fold_from_environment()  # before the script imports anything that warns
     script = os.path.abspath(sys.argv[1])
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(script))

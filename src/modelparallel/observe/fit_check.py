@@ -16,6 +16,8 @@ import os
 import torch
 from torch import nn
 
+from modelparallel.parallel.placement import is_meta
+
 logger = logging.getLogger("modelparallel")
 STATE_COPIES = 4  # parameters, gradients, AdamW's exp_avg and exp_avg_sq
 
@@ -25,7 +27,7 @@ def local_parameter_bytes(model: nn.Module) -> int:
     total = 0
     for p in model.parameters():
         local = getattr(p, "_local_tensor", p)
-        if local.device.type != "meta":
+        if not is_meta(local):
             total += local.numel() * local.element_size()
     return total
 

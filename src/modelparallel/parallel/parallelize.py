@@ -16,7 +16,8 @@
    replicas (``pipeline.gradients.GradientSync``).
 
 The SMP v1 ``DistributedModel`` (through the pipeline engine, on the modules a
-pipeline rank holds; other stages' modules keep meta parameters and stubs stand in for
+pipeline rank holds; other stages' modules keep meta parameters (stand-ins without
+values once it is done, ``pipeline.absent``) and stubs stand in for
 them) runs all of it at the first step. SMP v2 scripts run the same steps one call at a
 time: ``mp.transform`` is step 2, and ``mp.shard`` / ``mp.replicate`` / the FSDP1 hook
 are step 4 (each starting with step 1's synchronisation). Where gradients are

@@ -6,10 +6,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from modelparallel.parallel.pipeline.absent import AbsentTensor
+
 
 def is_meta(t: torch.Tensor) -> bool:
-    """A placeholder for a tensor another rank holds (meta, possibly inside a DTensor)."""
-    return (t.to_local() if isinstance(t, DTensor) else t).device.type == "meta"
+    """A placeholder for a tensor another rank holds: meta (possibly inside a DTensor),
+    or the stand-in a pipeline keeps for another stage's tensor (real dtype and device,
+    no values: ``pipeline.absent``)."""
+    return isinstance(t, AbsentTensor) or \
+        (t.to_local() if isinstance(t, DTensor) else t).device.type == "meta"
 
 
 def on_mesh_dims(t: torch.Tensor, dims: set[str]) -> bool:

@@ -10,9 +10,13 @@ holding stage's tensor does in its forward (the compute dtype, the shape,
 ``requires_grad``, this rank's device), and any operation that reads its values raises
 :class:`AbsentValueError`, naming the tensor, the stage that holds it and the fix.
 
-Stand-ins live only in a :class:`cut.Stub`, which is in the model only while a stage
-runs the model's forward: FSDP, state dicts, checkpoints, gradient clipping and the
-optimizer, which run outside it, never see them.
+Inside the forward, stand-ins live in a :class:`cut.Stub`, which is in the model only
+while a stage runs the model's forward. Outside it, the model keeps a stand-in in the
+place of each parameter and buffer another stage holds (``engine``), in the storage
+dtype, so that a script reading ``model.dtype``, ``model.device`` or ``p.device`` after
+the split sees what one process sees. The library tells them from the tensors a rank
+holds by :func:`modelparallel.parallel.placement.is_meta`: FSDP, state dicts,
+checkpoints, gradient clipping and the optimizer take only what the rank holds.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 
 _aten = torch.ops.aten
 # operations that read only the metadata of a tensor, not its values (the split's trace
@@ -69,6 +74,11 @@ class AbsentTensor(torch.Tensor):
         if packet is _aten.detach:
             t = args[0]
             return AbsentTensor(t.shape, t.dtype, t.device, False, t.absent_name, t.holder)
+        if packet is _aten._to_copy:  # a cast or a move: still the metadata alone
+            t = args[0]
+            return AbsentTensor(t.shape, kwargs.get("dtype") or t.dtype,
+                                kwargs.get("device") or t.device, False, t.absent_name,
+                                t.holder)
         if packet in _SHAPED_LIKE or packet in _DTYPE_AND_DEVICE_OF:
             def real(t: object) -> object:
                 if not isinstance(t, AbsentTensor):
@@ -80,6 +90,14 @@ class AbsentTensor(torch.Tensor):
                       if isinstance(t, AbsentTensor))
         raise AbsentValueError(value_read_message(absent.absent_name, absent.holder,
                                                   packet.__name__))
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:  # a copy of the model: no values
+        copied: torch.Tensor = AbsentTensor(self.shape, self.dtype, self.device,
+                                            self.requires_grad, self.absent_name, self.holder)
+        if isinstance(self, nn.Parameter):
+            copied = nn.Parameter(copied, self.requires_grad)
+        memo[id(self)] = copied
+        return copied
 
     def tolist(self):  # reads the values without dispatching
         raise AbsentValueError(value_read_message(self.absent_name, self.holder, "tolist"))
@@ -97,7 +115,9 @@ def value_read_message(name: str, holder: Holder, operation: str) -> str:
             "tensor's metadata (dtype, shape, device, requires_grad). Use its values only "
             "inside the forward of the module that holds it: call that module instead of "
             "computing with its weight, or move that computation into a module and place it "
-            "on the same stage with mp.partition / mp.set_partition")
+            "on the same stage with mp.partition / mp.set_partition. Outside the forward, "
+            "read them from model.state_dict() (every stage's, gathered) or on the rank "
+            "that holds them (model.local_parameters())")
 
 
 def stand_in(t: torch.Tensor, name: str, holder: Holder, device: torch.device,

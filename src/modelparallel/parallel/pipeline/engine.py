@@ -30,6 +30,7 @@ from modelparallel.parallel import deferred, parallelize, stale_params, unused_g
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.pipeline import cut, schedules
 from modelparallel.parallel.pipeline import trace as tracing
+from modelparallel.parallel.pipeline.absent import Holder, stand_in
 from modelparallel.parallel.pipeline.gradients import GradientSync, shared_parameters
 from modelparallel.parallel.pipeline.layout import PipelineLayout
 from modelparallel.parallel.pipeline.record import Event, ScheduleRecorder
@@ -230,6 +231,7 @@ class PipelineEngine:
         self.gradients.shared = shared_parameters(self.module, ctx, self.held_modules)
         self._free_other_stages(everything, held)
         self._parallelize(held)  # FSDP units: this rank's units (root parameters stay)
+        self._stand_in_for_other_stages(everything, held)
         if ctx.rank == 0:
             print(f"modelparallel: pipeline partition ({ctx.config.pipeline} schedule)\n"
                   f"{self.display_partition()}", flush=True)
@@ -257,17 +259,47 @@ class PipelineEngine:
         """Swap the parameters of modules this rank does not hold for meta tensors."""
         held_params = {id(p) for path in held
                        for p in self.module.get_submodule(path).parameters()}
+        # one placeholder per tensor: ties stay ties
+        params: dict[int, nn.Parameter] = {}
+        buffers: dict[int, torch.Tensor] = {}
         for path in everything:
             if path in held:
                 continue
             for module in self.module.get_submodule(path).modules():
                 for name, p in list(module._parameters.items()):
                     if p is not None and id(p) not in held_params:
-                        module._parameters[name] = nn.Parameter(
-                            torch.empty_like(p, device="meta"), p.requires_grad)
+                        module._parameters[name] = params.setdefault(id(p), nn.Parameter(
+                            torch.empty_like(p, device="meta"), p.requires_grad))
                 for name, b in list(module._buffers.items()):
                     if b is not None:
-                        module._buffers[name] = torch.empty_like(b, device="meta")
+                        module._buffers[name] = buffers.setdefault(
+                            id(b), torch.empty_like(b, device="meta"))
+
+    def _stand_in_for_other_stages(self, everything: list[str], held: list[str]) -> None:
+        """Swap the meta placeholders left in modules other stages hold for stand-ins
+        that report the real dtype, shape and device (what a script reads of the model
+        after the split: ``model.dtype``, ``model.device``) and refuse their values."""
+        assert self.layout is not None
+        made: dict[int, torch.Tensor] = {}  # one stand-in per tensor: ties stay ties
+
+        def stand_in_for(t: torch.Tensor, name: str, holder: Holder) -> torch.Tensor:
+            if id(t) not in made:
+                made[id(t)] = absent = stand_in(t, name, holder, self.ctx.device, None)
+                if isinstance(t, nn.Parameter):
+                    made[id(t)] = nn.Parameter(absent, t.requires_grad)
+            return made[id(t)]
+
+        for path in everything:
+            if path in held:
+                continue
+            holder = self.layout.holder(path)
+            for prefix, module in self.module.get_submodule(path).named_modules(prefix=path):
+                for name, p in list(module._parameters.items()):
+                    if p is not None and is_meta(p):
+                        module._parameters[name] = stand_in_for(p, f"{prefix}.{name}", holder)
+                for name, b in list(module._buffers.items()):
+                    if b is not None and is_meta(b):
+                        module._buffers[name] = stand_in_for(b, f"{prefix}.{name}", holder)
 
     def _finish_partition(self) -> None:
         self.partitioned = True
