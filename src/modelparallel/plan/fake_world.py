@@ -13,6 +13,13 @@ for the planner is here, each piece with the reason:
   of ``KNOWN_INTEGERS`` (torch's pipeline warm-up vote: every stage knows its shapes,
   our engine's stages leave it to torch), and refuses other integers, naming the line that asked.
 - Object collectives are carried between the simulated ranks (``plan/mailbox.py``).
+- A fake tensor of one element made from a value (``torch.tensor([rows])``) carries
+  that value as a constant, and the fake mode runs an operation whose inputs are all
+  constants for real: a functional collective would run on the fake backend and leave
+  its work in torch's registry (its output, more than one element, is no constant: no
+  wait reaches the real one), which torch reports at exit as "unwaited collective
+  calls". ``ScalarPolicy`` hides the constants from functional collectives: their
+  outputs depend on other ranks' values, which a simulated rank does not have.
 - DTensor caches sharding decisions by mesh, and meshes compare equal by layout: the
   next simulated rank's identical mesh would find the previous rank's (with its
   destroyed groups). ``fake_process_group`` clears those caches when a rank ends.
@@ -26,7 +33,7 @@ for the planner is here, each piece with the reason:
 - ``StepTracker`` (``plan/tracker.py``) wraps ``UntypedStorage.resize_``, which no
   dispatch mode sees and FSDP2 frees and refills parameter storage with.
 
-``tests/unit/test_plan_torch_internals.py`` fails if torch changes any of these.
+``tests/unit/test_plan_internals.py`` fails if torch changes any of these.
 """
 
 from __future__ import annotations
@@ -38,7 +45,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    is_fake,
+    unset_fake_temporarily,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -98,9 +111,13 @@ KNOWN_INTEGERS = {
 
 
 class ScalarPolicy(TorchDispatchMode):
-    """Answer a fake tensor's ``.item()`` as a healthy training step would."""
+    """Answer a fake tensor's ``.item()`` as a healthy training step would, and run
+    functional collectives on fake tensors only (never on their constants)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            with _constants_hidden(pytree.tree_leaves((args, kwargs))):
+                return func(*args, **(kwargs or {}))
         if func is torch.ops.aten._local_scalar_dense.default and is_fake(args[0]):
             dtype = args[0].dtype
             if dtype == torch.bool:
@@ -115,6 +132,20 @@ class ScalarPolicy(TorchDispatchMode):
             raise PlanError("the step reads an integer from a tensor, which the planner "
                             f"cannot know without running it, at {_user_line(stack)}")
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _constants_hidden(leaves: list[Any]) -> Iterator[None]:
+    """The fake tensors among ``leaves`` without the constants they carry, while inside."""
+    held = [(t, t.constant) for t in leaves
+            if isinstance(t, FakeTensor) and t.constant is not None]
+    for t, _ in held:
+        t.constant = None
+    try:
+        yield
+    finally:
+        for t, constant in held:
+            t.constant = constant
 
 
 def _user_line(stack: traceback.StackSummary) -> str:
