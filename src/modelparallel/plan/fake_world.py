@@ -6,7 +6,9 @@ for the planner is here, each piece with the reason:
 - ``DeviceMesh`` computes a rank's coordinates with ``nonzero`` on its rank tensor; FSDP2
   makes new meshes while it shards (``_init_sharding_spec_tp``), which under fake
   tensors has no answer. Mesh construction runs with the fake mode unset
-  (``unset_fake_temporarily``): a mesh is rank bookkeeping, never model memory.
+  (``unset_fake_temporarily``). A mesh keeps real CPU tensors of its ranks (16 bytes
+  for 2 ranks), which a CPU run holds with its other tensors: ``StepTracker`` counts
+  what is made while ``building_mesh()``.
 - Values a real step reads back (``.item()``: an optimizer's step count, a loss
   scaler's overflow flag) do not exist under fake tensors. ``ScalarPolicy`` answers
   with the value of a healthy step (no overflow, a count of 1), answers the integers
@@ -39,6 +41,7 @@ for the planner is here, each piece with the reason:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -59,6 +62,7 @@ __all__ = [
     "NotYetSent",
     "PlanError",
     "ScalarPolicy",
+    "building_mesh",
     "fake_process_group",
     "fake_tensors",
     "forget_sharding_caches",
@@ -156,13 +160,25 @@ def _user_line(stack: traceback.StackSummary) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}"
 
 
+_BUILDING_MESH = contextvars.ContextVar("building_mesh", default=False)
+
+
+def building_mesh() -> bool:
+    """Whether a device mesh is being built (outside the fake mode) right now."""
+    return _BUILDING_MESH.get()
+
+
 @contextlib.contextmanager
 def _meshes_outside_fake_mode() -> Iterator[None]:
     original = DeviceMesh.__init__
 
     def init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
-        with unset_fake_temporarily():
-            original(self, *args, **kwargs)
+        building = _BUILDING_MESH.set(True)
+        try:
+            with unset_fake_temporarily():
+                original(self, *args, **kwargs)
+        finally:
+            _BUILDING_MESH.reset(building)
 
     DeviceMesh.__init__ = init  # type: ignore[method-assign]
     try:
