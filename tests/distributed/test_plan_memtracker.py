@@ -51,16 +51,7 @@ def measured_peaks(config: dict, world: int) -> list[int]:
                      mp.state.context.device)
 
 
-# Known shortfalls (issue 28, not found yet). hsd2 x tp2: rank 1's real first step holds 16
-# bytes (of 17.2 MB) the simulation does not see; strict, so the test says when it is fixed.
-# tp2: in some runs one step on rank 0 holds 519,232 bytes more than the others (about one
-# step's logits), in others none; not strict, as it comes and goes.
-KNOWN = {"hsd2 x tp2": pytest.mark.xfail(strict=True, reason="rank 1 planned 16 bytes short"),
-         "tp2": pytest.mark.xfail(strict=False, reason="a step sometimes holds 519 KB more")}
-
-
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=KNOWN[name]) if name in KNOWN
-                                    else name for name in LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_planned_peak_covers_memtrackers_and_is_within_5_percent(workers, layout):
     from modelparallel.plan import plan_job
 

@@ -110,3 +110,18 @@ def test_the_unused_parameter_flags_are_where_the_planner_answers_them():
     (suffix, function), = (k for k in KNOWN_INTEGERS if k[0].startswith("modelparallel/"))
     assert unused_grads.__file__.endswith(suffix)
     assert ".tolist()" in inspect.getsource(getattr(unused_grads.UnusedGradients, function))
+
+
+def test_a_functional_collective_on_a_value_made_fake_runs_on_fake_tensors_only():
+    # torch's fake tensors run an operation on constants for real when every input
+    # carries one: a collective would leave its work in torch's registry of unwaited work
+    functional = torch.ops._c10d_functional
+    registered = torch._C._distributed_c10d._get_work_registry_size
+    with fake_process_group(0, 2):
+        before = registered()
+        with fake_tensors():
+            rows = torch.tensor([4])  # a value made fake: torch keeps it as a constant
+            gathered = functional.wait_tensor(functional.all_gather_into_tensor(
+                rows, 2, dist.group.WORLD.group_name))  # as DTensor gathers
+        assert gathered.shape == (2,) and rows.constant is not None
+        assert registered() == before, "a collective ran on the fake backend for real"

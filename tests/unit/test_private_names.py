@@ -42,6 +42,7 @@ class Private:
 IMPORTS = {name: "imported" for name in (
     "torch._guards.active_fake_mode",  # the planner: is a fake mode on
     "torch._subclasses.fake_tensor.FakeTensorMode",  # the planner's fake tensors
+    "torch._subclasses.fake_tensor.FakeTensor",  # the constants a fake tensor carries
     "torch._subclasses.fake_tensor.is_fake",
     "torch._subclasses.fake_tensor.unset_fake_temporarily",  # meshes built for real
     "torch.distributed._composable.replicate_with_fsdp.replicate",  # replicas (DDP on FSDP2)

@@ -69,7 +69,8 @@ def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None) ->
         try:
             with fake_tensors():
                 # on CPU, training's collectives go through gloo
-                tracker = StepTracker(gloo=mp.state.context.device.type == "cpu")
+                cpu = mp.state.context.device.type == "cpu"
+                tracker = StepTracker(gloo=cpu, host=cpu)
                 peaks = []  # (tensors, copies freed at once, late) of each phase
                 with tracker:
                     trainer = TrainingScript(work, mp)

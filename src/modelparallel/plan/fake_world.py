@@ -6,13 +6,22 @@ for the planner is here, each piece with the reason:
 - ``DeviceMesh`` computes a rank's coordinates with ``nonzero`` on its rank tensor; FSDP2
   makes new meshes while it shards (``_init_sharding_spec_tp``), which under fake
   tensors has no answer. Mesh construction runs with the fake mode unset
-  (``unset_fake_temporarily``): a mesh is rank bookkeeping, never model memory.
+  (``unset_fake_temporarily``). A mesh keeps real CPU tensors of its ranks (16 bytes
+  for 2 ranks), which a CPU run holds with its other tensors: ``StepTracker`` counts
+  what is made while ``building_mesh()``.
 - Values a real step reads back (``.item()``: an optimizer's step count, a loss
   scaler's overflow flag) do not exist under fake tensors. ``ScalarPolicy`` answers
   with the value of a healthy step (no overflow, a count of 1), answers the integers
   of ``KNOWN_INTEGERS`` (torch's pipeline warm-up vote: every stage knows its shapes,
   our engine's stages leave it to torch), and refuses other integers, naming the line that asked.
 - Object collectives are carried between the simulated ranks (``plan/mailbox.py``).
+- A fake tensor of one element made from a value (``torch.tensor([rows])``) carries
+  that value as a constant, and the fake mode runs an operation whose inputs are all
+  constants for real: a functional collective would run on the fake backend and leave
+  its work in torch's registry (its output, more than one element, is no constant: no
+  wait reaches the real one), which torch reports at exit as "unwaited collective
+  calls". ``ScalarPolicy`` hides the constants from functional collectives: their
+  outputs depend on other ranks' values, which a simulated rank does not have.
 - DTensor caches sharding decisions by mesh, and meshes compare equal by layout: the
   next simulated rank's identical mesh would find the previous rank's (with its
   destroyed groups). ``fake_process_group`` clears those caches when a rank ends.
@@ -26,19 +35,26 @@ for the planner is here, each piece with the reason:
 - ``StepTracker`` (``plan/tracker.py``) wraps ``UntypedStorage.resize_``, which no
   dispatch mode sees and FSDP2 frees and refills parameter storage with.
 
-``tests/unit/test_plan_torch_internals.py`` fails if torch changes any of these.
+``tests/unit/test_plan_internals.py`` fails if torch changes any of these.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    is_fake,
+    unset_fake_temporarily,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -46,6 +62,7 @@ __all__ = [
     "NotYetSent",
     "PlanError",
     "ScalarPolicy",
+    "building_mesh",
     "fake_process_group",
     "fake_tensors",
     "forget_sharding_caches",
@@ -98,9 +115,13 @@ KNOWN_INTEGERS = {
 
 
 class ScalarPolicy(TorchDispatchMode):
-    """Answer a fake tensor's ``.item()`` as a healthy training step would."""
+    """Answer a fake tensor's ``.item()`` as a healthy training step would, and run
+    functional collectives on fake tensors only (never on their constants)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            with _constants_hidden(pytree.tree_leaves((args, kwargs))):
+                return func(*args, **(kwargs or {}))
         if func is torch.ops.aten._local_scalar_dense.default and is_fake(args[0]):
             dtype = args[0].dtype
             if dtype == torch.bool:
@@ -117,6 +138,20 @@ class ScalarPolicy(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def _constants_hidden(leaves: list[Any]) -> Iterator[None]:
+    """The fake tensors among ``leaves`` without the constants they carry, while inside."""
+    held = [(t, t.constant) for t in leaves
+            if isinstance(t, FakeTensor) and t.constant is not None]
+    for t, _ in held:
+        t.constant = None
+    try:
+        yield
+    finally:
+        for t, constant in held:
+            t.constant = constant
+
+
 def _user_line(stack: traceback.StackSummary) -> str:
     frames = [f for f in stack if "/torch/" not in f.filename and "/plan/" not in f.filename
               and not f.filename.endswith("parallel/dataflow.py")]
@@ -125,13 +160,25 @@ def _user_line(stack: traceback.StackSummary) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}"
 
 
+_BUILDING_MESH = contextvars.ContextVar("building_mesh", default=False)
+
+
+def building_mesh() -> bool:
+    """Whether a device mesh is being built (outside the fake mode) right now."""
+    return _BUILDING_MESH.get()
+
+
 @contextlib.contextmanager
 def _meshes_outside_fake_mode() -> Iterator[None]:
     original = DeviceMesh.__init__
 
     def init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
-        with unset_fake_temporarily():
-            original(self, *args, **kwargs)
+        building = _BUILDING_MESH.set(True)
+        try:
+            with unset_fake_temporarily():
+                original(self, *args, **kwargs)
+        finally:
+            _BUILDING_MESH.reset(building)
 
     DeviceMesh.__init__ = init  # type: ignore[method-assign]
     try:

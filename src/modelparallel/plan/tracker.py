@@ -33,6 +33,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from modelparallel.plan.fake_world import building_mesh
+
 GLOO_THREADS = 2  # ProcessGroupGloo's worker threads per group (torch's default)
 # c10d operation -> (argument holding the tensors, working copies of their bytes)
 GLOO_WORKSPACE = {
@@ -62,9 +64,10 @@ class StepTracker(TorchDispatchMode):
     freed; a DTensor is counted by its local tensor (the mode lets DTensor unwrap first)
     and DTensor's own shape propagation (a nested fake mode) is not counted."""
 
-    def __init__(self, gloo: bool = False) -> None:
+    def __init__(self, gloo: bool = False, host: bool = False) -> None:
         super().__init__()
         self.gloo = gloo  # count gloo's working copies in collectives
+        self.host = host  # the run's tensors are in host memory (it trains on CPU)
         self.live = 0
         self.peak_tensors = 0  # of tensor storage alone (no gloo copy): what NCCL sees
         self.peak = 0
@@ -126,15 +129,22 @@ class StepTracker(TorchDispatchMode):
         if self.gloo and func.namespace == "c10d":
             self._gloo_copies(func._opname, args)
         out = func(*args, **(kwargs or {}))
-        if active_fake_mode() is self._fake_mode:
+        mode = active_fake_mode()
+        if mode is self._fake_mode:
             self.ops += 1
             count_flops = _FLOPS.get(func._overloadpacket)
             if count_flops is not None:
                 self.flops += count_flops(*args, **(kwargs or {}), out_val=out)
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":  # meta: no memory
-                    self._count(t.untyped_storage())
+            self._count_tensors(out)
+        elif mode is None and self.host and building_mesh():
+            # a device mesh's rank tensors (CPU, made for real): a CPU run's memory too
+            self._count_tensors(out)
         return out
+
+    def _count_tensors(self, out: Any) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":  # meta: no memory
+                self._count(t.untyped_storage())
 
     def _gloo_copies(self, op: str, args: Any) -> None:
         boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
