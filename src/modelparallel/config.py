@@ -48,9 +48,10 @@ class Config:
     context_parallel_degree: int = _key(
         1, "ranks a sequence is split over (they shard the model together: a divisor of "
            "the shard degree)", minimum=1)
-    expert_parallel_degree: int = _key(1, "ranks mixture-of-experts layers are split over",
-                                       minimum=1,
-                                       not_built="expert parallelism is not built yet")
+    expert_parallel_degree: int = _key(
+        1, "data-parallel ranks the experts of each mixture-of-experts layer are split over "
+           "(tokens travel to their experts by all-to-all; a divisor of the data-parallel "
+           "size; tsm.transform with a MoEConfig)", minimum=1)
     placement_strategy: str = _key(
         "cluster", '"cluster" (= "DPT"), "spread" (= "TPD") or a permutation of D, P, T; '
                    "the right-most letter varies fastest over ranks")
@@ -252,11 +253,12 @@ class Config:
         return "fp16" if (self.fp16 or self.fp16_params) else None
 
     def model_parallel_product(self) -> int:
-        """Ranks that hold different parts of one model: pp x tp x ep. (The ranks of a
+        """Ranks that hold different parts of one model: pp x tp. (The ranks of a
         context-parallel group hold the same parameters, sharded among the data-parallel
-        ranks; they differ in the part of each sequence they compute.)"""
-        return (self.tensor_parallel_degree * self.pipeline_parallel_degree
-                * self.expert_parallel_degree)
+        ranks; they differ in the part of each sequence they compute. The ranks of an
+        expert-parallel group are data-parallel ranks too: each reads its own samples and
+        holds its share of the experts.)"""
+        return self.tensor_parallel_degree * self.pipeline_parallel_degree
 
     @property
     def shard_degree(self) -> int:
@@ -327,6 +329,7 @@ class Config:
                              f"{self.pipeline_parallel_degree}: context parallelism works on "
                              "models given to tsm.transform (SMP v2, which has no pipeline); "
                              "set one of them to 1"))
+        problems.extend(self._expert_parallel_problems())
         sdp = self.sharded_data_parallel_degree
         if sdp > 1 and self.shard_optimizer_state:
             problems.append(("shard_optimizer_state",
@@ -343,6 +346,27 @@ class Config:
             if value != default:
                 problems.append((key, f"{value!r} is not supported yet ({why}); "
                                       f"valid value: {default!r}"))
+        return problems
+
+    def _expert_parallel_problems(self) -> list[tuple[str, str]]:
+        """What expert parallelism cannot be combined with (yet): one line each."""
+        ep = self.expert_parallel_degree
+        if ep == 1:
+            return []
+        problems = []
+        if self.pipeline_parallel_degree > 1:
+            problems.append(("expert_parallel_degree",
+                             f"{ep} cannot be combined with pipeline_parallel_degree="
+                             f"{self.pipeline_parallel_degree}: expert parallelism works on "
+                             "models given to tsm.transform (SMP v2, which has no pipeline); "
+                             "set one of them to 1"))
+        for key, what in (("tensor_parallel_degree", "tensor parallelism"),
+                          ("context_parallel_degree", "context parallelism")):
+            if getattr(self, key) > 1:
+                problems.append(("expert_parallel_degree",
+                                 f"{ep} combined with {key}={getattr(self, key)} is not "
+                                 f"built yet (experts split over ranks together with "
+                                 f"{what}); set one of them to 1"))
         return problems
 
 

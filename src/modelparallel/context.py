@@ -35,7 +35,8 @@ class ParallelContext:
     data_parallel: DataParallelLayout  # how the data-parallel ranks hold a model
     precision: PrecisionPolicy  # the dtypes of parameters, gradients and buffers
     mesh: DeviceMesh  # the root mesh, dims pp x dp_replicate x dp_shard x tp
-    meshes: Mapping[str, DeviceMesh]  # a 1-D mesh per dim and per SMP group
+    # a 1-D mesh per dim and per SMP group (the experts' FSDP mesh may be 2-D)
+    meshes: Mapping[str, DeviceMesh]
     device: torch.device
     rank: int
     local_rank: int = 0
@@ -67,6 +68,23 @@ class ParallelContext:
     def cp_group(self) -> dist.ProcessGroup | None:
         """The context-parallel group of this rank (None without context parallelism)."""
         return self.meshes["cp"].get_group() if "cp" in self.meshes else None
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The expert-parallel group of this rank (None without expert parallelism)."""
+        return self.meshes["ep"].get_group() if "ep" in self.meshes else None
+
+    @property
+    def expert_replicas_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same experts as this rank (None without expert
+        parallelism)."""
+        return self.meshes["expert_replicas"].get_group() if "ep" in self.meshes else None
+
+    def expert_data_parallel_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards this rank's experts on: the ranks holding the same experts
+        (``Topology.expert_data_parallel_groups``); the data-parallel mesh without expert
+        parallelism."""
+        return self.meshes.get("expert_dp") or self.data_parallel_mesh()
 
     def data_parallel_mesh(self) -> DeviceMesh:
         """The mesh FSDP works on: ``dp_shard`` alone, or ``(dp_replicate, dp_shard)``."""

@@ -39,6 +39,9 @@ class ModuleState:
     # context parallelism: its SequenceSplit (parallel/context_parallel/hugging_face.py),
     # on the model and on each attention module
     context_parallel: Any = None
+    # expert parallelism: on the model, its split experts modules; on each of those, its
+    # ExpertParallelExperts (parallel/expert_parallel/hugging_face.py)
+    expert_parallel: Any = None
     # pipeline parallelism
     partition: int | None = None  # the stage mp.partition / set_partition gave it
     # activations

@@ -82,6 +82,7 @@ class Topology:
     tp: int
     order: str = "DPT"  # placement strategy as letters, outermost first
     cp: int = 1  # a divisor of dp_shard
+    ep: int = 1  # a divisor of dp_replicate x dp_shard
 
     @classmethod
     def from_config(cls, config: Config, world_size: int) -> Topology:
@@ -91,7 +92,8 @@ class Topology:
         shard = shard_size(config, world_size)
         return cls(pp=config.pipeline_parallel_degree, dp_replicate=dp // shard,
                    dp_shard=shard, tp=config.tensor_parallel_degree,
-                   order=config.placement_order, cp=config.context_parallel_degree)
+                   order=config.placement_order, cp=config.context_parallel_degree,
+                   ep=config.expert_parallel_degree)
 
     @property
     def world_size(self) -> int:
@@ -160,6 +162,36 @@ class Topology:
         return [shard[i:i + self.cp] for shard in self.all_groups(("dp_shard",))
                 for i in range(0, len(shard), self.cp)]
 
+    def ep_groups(self) -> list[list[int]]:
+        """Every expert-parallel group, as its ranks in ep-rank order: consecutive ranks of
+        each reduced data-parallel group (within a ``dp_shard`` group when ``ep`` divides
+        it, as torchtitan lays them out)."""
+        return [rdp[i:i + self.ep] for rdp in self.all_groups(CommGroup.RDP_GROUP)
+                for i in range(0, len(rdp), self.ep)]
+
+    def ep_rank(self, rank: int) -> int:
+        """The index of ``rank`` in its expert-parallel group (which experts it holds)."""
+        return self.rank_in(rank, CommGroup.RDP_GROUP) % self.ep
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks an expert's parameters are sharded over: ``dp_shard / ep`` when ``ep``
+        divides ``dp_shard``, else 1 (the ranks holding an expert then lie in different
+        ``dp_shard`` groups, and replicate it)."""
+        return self.dp_shard // self.ep if self.dp_shard % self.ep == 0 else 1
+
+    def expert_data_parallel_groups(self) -> list[list[list[int]]]:
+        """The ranks that hold the same experts (one per expert-parallel group), each as
+        ``[replica][shard]``: the mesh FSDP shards the experts on (``expert_shard``
+        ranks, replicated over the rest)."""
+        out = []
+        for rdp in self.all_groups(CommGroup.RDP_GROUP):
+            for i in range(self.ep):
+                same = rdp[i::self.ep]
+                out.append([same[j:j + self.expert_shard]
+                            for j in range(0, len(same), self.expert_shard)])
+        return out
+
     def reading_rank(self, rank: int, group: CommGroup) -> tuple[int, int]:
         """``(index, count)`` of the samples ``rank`` reads among the ranks of ``group``
         that read different samples: ``group``'s index and size, except that the ranks
@@ -178,7 +210,8 @@ class Topology:
     def describe(self) -> str:
         dims = " x ".join(f"{d}={self.dim_size(d)}" for d in self.dim_names)
         cp = f", cp={self.cp} within dp_shard" if self.cp > 1 else ""
-        return f"{self.world_size} ranks: {dims}{cp} (placement {self.order})"
+        ep = f", ep={self.ep} over data-parallel ranks" if self.ep > 1 else ""
+        return f"{self.world_size} ranks: {dims}{cp}{ep} (placement {self.order})"
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -191,7 +224,10 @@ def build_mesh(topology: Topology, device_type: str):
     Needs the default process group. Returns ``(root, meshes)``: the root mesh has the
     four dims of ``topology.dim_names``; ``meshes`` maps ``rdp`` (dp_replicate x
     dp_shard), ``dp`` (rdp x tp), ``mp`` (pp x tp), each dim name and, with context
-    parallelism, ``cp`` to a 1-D mesh.
+    parallelism, ``cp`` to a 1-D mesh; with expert parallelism ``ep`` (a 1-D mesh) and
+    ``expert_dp``, the mesh an expert's copies are sharded on: ``expert_dp_shard`` alone,
+    or ``(expert_dp_replicate, expert_dp_shard)``, and ``expert_replicas``, those ranks as
+    a 1-D mesh.
     """
     import torch
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -205,6 +241,16 @@ def build_mesh(topology: Topology, device_type: str):
     if topology.cp > 1:  # consecutive ranks of dp_shard: no dim of the root mesh
         groups = torch.tensor(topology.cp_groups())
         meshes["cp"] = DeviceMesh(device_type, groups, mesh_dim_names=("cp_groups", "cp"))["cp"]
+    if topology.ep > 1:  # consecutive data-parallel ranks: no dim of the root mesh either
+        groups = torch.tensor(topology.ep_groups())
+        meshes["ep"] = DeviceMesh(device_type, groups, mesh_dim_names=("ep_groups", "ep"))["ep"]
+        held = torch.tensor(topology.expert_data_parallel_groups())
+        names = ("ep_index", "expert_dp_replicate", "expert_dp_shard")
+        experts = DeviceMesh(device_type, held, mesh_dim_names=names)
+        meshes["expert_dp"] = experts[names[2]] if held.shape[1] == 1 else experts[names[1:]]
+        meshes["expert_replicas"] = DeviceMesh(
+            device_type, held.flatten(1), mesh_dim_names=("ep_index", "expert_replicas"),
+        )["expert_replicas"]
     return mesh, meshes
 
 
@@ -232,7 +278,8 @@ def check_world(config: Config, world_size: int) -> None:
     if world_size % product:
         factors = " x ".join(
             f"{k}={getattr(config, k)}" for k in DEGREE_KEYS
-            if getattr(config, k) > 1 and k != "context_parallel_degree")
+            if getattr(config, k) > 1 and k in ("pipeline_parallel_degree",
+                                                 "tensor_parallel_degree"))
         problems.append((
             "tensor_parallel_degree" if config.tensor_parallel_degree > 1
             else "pipeline_parallel_degree",
@@ -256,6 +303,13 @@ def check_world(config: Config, world_size: int) -> None:
             problems += schedule_rules.check_sharded_stages(config.pipeline, degree or dp)
         elif (degree or dp) % config.context_parallel_degree:
             problems.append(_context_parallel_problem(config, degree, dp))
+        if dp % config.expert_parallel_degree:
+            problems.append(("expert_parallel_degree",
+                             f"{config.expert_parallel_degree} does not divide the "
+                             f"data-parallel size {dp} (world size {world_size} / {product} "
+                             f"model-parallel ranks): the experts are split over "
+                             f"data-parallel ranks; valid values: "
+                             f"{', '.join(map(str, _divisors(dp)))}"))
     if problems:
         raise ConfigError(problems)
 

@@ -173,21 +173,16 @@ def refusals_case():
     return got
 
 
-def test_expert_parallelism_and_bad_arguments_are_refused(workers):
+def test_smp_moe_and_bad_arguments_are_refused(workers):
     results = workers(4).run(refusals_case)
     for got in results:
-        assert got["MoEConfig"].startswith("expert parallelism (mixture-of-experts layers "
-                                           "split over ranks) is not supported yet")
+        assert got["MoEConfig"].startswith("SMP's own mixture-of-experts implementation "
+                                           "(smp_moe=True, MoELayer) is not built yet")
         assert "SMP's transformer configuration options are not supported" in got["dict"]
     notices = [got["cp_comm_type notices"] for got in results]
     assert notices[0] == ["transform(cp_comm_type='all_gather') has no effect: "
                           "context_parallel_degree is 1"]
     assert notices[1:] == [[]] * 3  # one line per run, from rank 0
-
-
-def test_expert_degree_is_refused():
-    with pytest.raises(ConfigError, match="expert_parallel_degree: 2 is not supported yet"):
-        tsm.Config.load({"expert_parallel_degree": 2}, environ={})
 
 
 SEEN_TRACING: list[bool] = []

@@ -131,12 +131,12 @@ class TestNoEffectAndRefusedKeys:
 
     def test_refused_key_fails_with_reason(self, capsys, tmp_path):
         path = tmp_path / "mp.yaml"
-        path.write_text("expert_parallel_degree: 2\n")
+        path.write_text("horovod: true\n")
         code, out, err = check_config(capsys, str(path))
         assert code == 1
         assert "OK" not in out
-        assert ("expert_parallel_degree: 2 is not supported yet (expert parallelism is not "
-                "built yet); valid value: 1") in err
+        assert ("horovod: True is not supported yet (modelparallel uses torch.distributed, "
+                "not Horovod); valid value: False") in err
 
 
 class TestList:
@@ -184,8 +184,9 @@ class TestList:
         assert lines["ddp_port"].endswith(
             "[no effect here: the default process group uses the launcher's rendezvous "
             "(MASTER_ADDR/MASTER_PORT); data-parallel groups are sub-groups of it]")
-        assert lines["expert_parallel_degree"].endswith(
-            "[only the default is accepted: expert parallelism is not built yet]")
+        assert lines["horovod"].endswith(
+            "[only the default is accepted: modelparallel uses torch.distributed, not "
+            "Horovod]")
 
     def test_list_with_file_checks_it_too(self, capsys, valid_file):
         code, out, _ = check_config(capsys, "--list", valid_file)

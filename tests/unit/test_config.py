@@ -454,7 +454,7 @@ class TestCombinations:
 # put here, given a no-effect reason, or refused when not at its default (not_built).
 EFFECT_KEYS = {
     "tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree",
-    "hybrid_shard_degree",
+    "expert_parallel_degree", "hybrid_shard_degree",
     "sharded_data_parallel_degree", "placement_strategy", "microbatches", "pipeline",
     "virtual_stages", "active_microbatches", "auto_partition", "default_partition",
     "memory_weight", "optimize", "ddp", "ddp_dist_backend", "collective_timeout",
@@ -498,8 +498,6 @@ NO_EFFECT = {
 
 # key: (a non-default value, the whole ConfigError message for the key)
 REFUSED = {
-    "expert_parallel_degree": (2, "2 is not supported yet (expert parallelism is not built "
-                                  "yet); valid value: 1"),
     "horovod": (True, "True is not supported yet (modelparallel uses torch.distributed, not "
                       "Horovod); valid value: False"),
 }
@@ -625,9 +623,8 @@ class TestRefusedKeys:
         assert caplog.records == []
 
     def test_refused_key_from_mp_config(self):
-        err = error_of({}, MP_CONFIG=json.dumps({"expert_parallel_degree": 2}))
-        assert message_for(err, "expert_parallel_degree") == \
-            REFUSED["expert_parallel_degree"][1]
+        err = error_of({}, MP_CONFIG=json.dumps({"horovod": True}))
+        assert message_for(err, "horovod") == REFUSED["horovod"][1]
 
 
 class TestActivationOffloading:
@@ -857,6 +854,49 @@ class TestContextParallelLayout:
         err = error_of({"context_parallel_degree": 2, "pipeline_parallel_degree": 2})
         assert "cannot be combined with pipeline_parallel_degree=2" in \
             message_for(err, "context_parallel_degree")
+
+
+class TestExpertParallelLayout:
+    """The experts are split over data-parallel ranks (consecutive ones, which read
+    different samples); each expert's copies are sharded within a dp_shard group."""
+
+    @pytest.mark.parametrize("hsd, world, groups, copies", [
+        (0, 2, [[0, 1]], [[[0]], [[1]]]),
+        (2, 4, [[0, 1], [2, 3]], [[[0], [2]], [[1], [3]]]),  # replicated: 2 shard groups
+        (0, 4, [[0, 1], [2, 3]], [[[0, 2]], [[1, 3]]]),      # sharded over 2 ranks
+        (4, 8, [[0, 1], [2, 3], [4, 5], [6, 7]], [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]),
+    ])
+    def test_ep_groups_and_the_ranks_holding_the_same_experts(self, hsd, world, groups,
+                                                              copies):
+        topology = Topology.from_config(
+            load({"expert_parallel_degree": 2, "hybrid_shard_degree": hsd}), world)
+        assert topology.dp_replicate * topology.dp_shard == world  # ep is data-parallel
+        assert topology.ep_groups() == groups
+        assert topology.expert_data_parallel_groups() == copies
+        assert [topology.ep_rank(r) for r in range(world)] == [r % 2 for r in range(world)]
+        assert [topology.reading_rank(r, CommGroup.RDP_GROUP) for r in range(world)] == \
+            [(r, world) for r in range(world)]
+
+    def test_a_degree_that_does_not_divide_the_data_parallel_size_is_refused(self):
+        with pytest.raises(ConfigError) as err:
+            Topology.from_config(load({"expert_parallel_degree": 3}), 4)
+        assert message_for(err.value, "expert_parallel_degree") == (
+            "3 does not divide the data-parallel size 4 (world size 4 / 1 model-parallel "
+            "ranks): the experts are split over data-parallel ranks; valid values: 1, 2, 4")
+
+    @pytest.mark.parametrize("key, message", [
+        ("pipeline_parallel_degree", "2 cannot be combined with pipeline_parallel_degree=2: "
+         "expert parallelism works on models given to tsm.transform (SMP v2, which has no "
+         "pipeline); set one of them to 1"),
+        ("tensor_parallel_degree", "2 combined with tensor_parallel_degree=2 is not built yet "
+         "(experts split over ranks together with tensor parallelism); set one of them to 1"),
+        ("context_parallel_degree", "2 combined with context_parallel_degree=2 is not built "
+         "yet (experts split over ranks together with context parallelism); set one of "
+         "them to 1"),
+    ])
+    def test_combinations_not_built_are_refused(self, key, message):
+        err = error_of({"expert_parallel_degree": 2, key: 2})
+        assert message_for(err, "expert_parallel_degree") == message
 
 
 @pytest.mark.parametrize("keys, explicit, sets_layout", [

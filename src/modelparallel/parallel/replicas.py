@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from modelparallel.context import ParallelContext
+from modelparallel.parallel import expert_parallel
 from modelparallel.parallel.placement import is_meta
 from modelparallel.topology import CommGroup
 
@@ -46,10 +47,15 @@ def synchronize(model: nn.Module, ctx: ParallelContext) -> None:
     """Every rank holding a part of ``model`` starts from the value of the first rank
     that holds the same part: tensor-parallel shards over the reduced data-parallel
     group, everything else over the data-parallel group (which includes the
-    tensor-parallel ranks). Collective over the data-parallel group."""
+    tensor-parallel ranks); the experts expert parallelism split over the ranks holding
+    the same experts. Collective over the data-parallel group."""
+    experts = {id(p): p for p in expert_parallel.expert_parameters(model)}
     split = [t for t in [*model.parameters(), *model.buffers()] if isinstance(t, DTensor)]
-    whole = [t for t in [*model.parameters(), *model.buffers()] if not isinstance(t, DTensor)]
+    whole = [t for t in [*model.parameters(), *model.buffers()]
+             if not isinstance(t, DTensor) and id(t) not in experts]
     broadcast_from_first(_unique(whole), ctx.process_group(CommGroup.DP_GROUP))
+    if experts and ctx.expert_replicas_group is not None:
+        broadcast_from_first(list(experts.values()), ctx.expert_replicas_group)
     if ctx.topology.tp > 1:
         broadcast_from_first(_unique(split), ctx.process_group(CommGroup.RDP_GROUP))
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from modelparallel.context import ParallelContext
 from modelparallel.parallel import delayed_init, replicas
 from modelparallel.parallel.blocks import BlockSpec, find_blocks
+from modelparallel.parallel.expert_parallel.sharding import shard_experts
 from modelparallel.parallel.param_views import add_view
 from modelparallel.parallel.precision import fsdp2_policy, require_loss_scaling
 from modelparallel.parallel.tensor.transform import tp_ranks_are_replicas
@@ -129,6 +130,8 @@ def shard(model: nn.Module, ctx: ParallelContext, *, blocks: BlockSpec = None,
         logger.warning("mp.shard(): found no repeated blocks in %s; the whole model is one "
                        "FSDP unit (pass blocks=[...] to choose them)", type(model).__name__)
     kwargs = dict(fully_shard_kwargs, reshard_after_forward=reshard_after_forward)
+    # experts split over ranks are units of their own, on the ranks holding the same ones
+    shard_experts(model, ctx, mp_policy or fsdp2_policy(ctx.precision), materialize, **kwargs)
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     fully_shard_units([*units, model], ctx,

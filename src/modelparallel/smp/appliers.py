@@ -11,13 +11,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from modelparallel.notices import notice
 from modelparallel.observe.fit_check import warn_if_state_cannot_fit
-from modelparallel.parallel import context_parallel, sharding, stale_params, unused_grads
+from modelparallel.parallel import (
+    context_parallel,
+    expert_parallel,
+    sharding,
+    stale_params,
+    unused_grads,
+)
 from modelparallel.parallel import replicate as replicating
 from modelparallel.parallel.blocks import BlockSpec
 from modelparallel.parallel.context_parallel.ring import COMM_TYPES
 from modelparallel.parallel.tensor import transform as splitting  # the module
 from modelparallel.smp.state import state
-from modelparallel.smp.v2.moe import NOT_SUPPORTED as MOE_NOT_SUPPORTED
 from modelparallel.smp.v2.moe import MoEConfig
 
 
@@ -26,12 +31,13 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
               load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p", *,
               sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
     ctx = state.require("mp.transform()").context
-    if config is not None:
+    if config is not None and not isinstance(config, MoEConfig):
         raise NotImplementedError(
-            MOE_NOT_SUPPORTED if isinstance(config, MoEConfig) else
             f"transform(config={config!r}): SMP's transformer configuration options are not "
             f"supported by modelparallel (it splits the model you pass as it is); pass "
-            f"config=None")
+            f"config=None or a MoEConfig")
+    if isinstance(config, MoEConfig) and (why := config.refusal()) is not None:
+        raise NotImplementedError(why)
     if cp_comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type={cp_comm_type!r}; SMP accepts 'p2p' or 'all_gather'")
     if cp_comm_type != "p2p" and ctx.topology.cp == 1:
@@ -42,6 +48,8 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
                                 loss_parallel=loss_parallel, device=device, dtype=dtype,
                                 weights_from_rank0=load_state_dict_from_rank0)
     model = context_parallel.apply(model, ctx, cp_comm_type)
+    if isinstance(config, MoEConfig):
+        model = expert_parallel.apply(model, ctx, config.moe_load_balancing)
     stale_params.record_replaced(before, model, "mp.transform()")
     if ctx.topology.dp_shard == 1:  # else the sharding that follows checks
         warn_if_state_cannot_fit(model, ctx.rank, ctx.device, "mp.transform")
@@ -52,6 +60,7 @@ def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: 
           mp_policy: MixedPrecisionPolicy | None = None, **fully_shard_kwargs: Any) -> nn.Module:
     ctx = state.require("mp.shard()").context
     context_parallel.require_split(model, ctx, "mp.shard()")
+    expert_parallel.require_split(model, ctx, "mp.shard()")
     group = ctx.gradient_group(splitting.tp_ranks_are_replicas(
         model, ctx.topology.tp))
     before = dict(model.named_parameters())
@@ -67,6 +76,7 @@ def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: 
 def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
     ctx = state.require("mp.replicate()").context
     context_parallel.require_split(model, ctx, "mp.replicate()")
+    expert_parallel.require_split(model, ctx, "mp.replicate()")
     group = ctx.gradient_group(splitting.tp_ranks_are_replicas(
         model, ctx.topology.tp))
     before = dict(model.named_parameters())
@@ -79,7 +89,9 @@ def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
 
 transform.__doc__ = (splitting.transform.__doc__ or "") + """
     SMP v2's arguments: ``load_state_dict_from_rank0`` is ``weights_from_rank0`` above;
-    ``config`` (a ``MoEConfig`` or SMP transformer options) raises NotImplementedError.
+    ``config``: a ``MoEConfig(smp_moe=False, moe_load_balancing="none")`` splits a
+    Hugging Face mixture-of-experts model's experts over ``expert_parallel_degree``
+    ranks (docs/expert-parallel.md); SMP's transformer options raise NotImplementedError.
 
     With ``context_parallel_degree`` > 1 the model (a Hugging Face Llama, Mistral,
     Qwen2/3 or GPT-NeoX causal LM) then takes this rank's chunks of each sequence (SMP's

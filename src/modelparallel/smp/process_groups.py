@@ -113,7 +113,7 @@ def _set_timeouts(timeout: datetime.timedelta, mesh: Any, meshes: dict[str, Any]
     mesh of an earlier init() gets this init's value too. ``ProcessGroup.set_timeout``
     (gloo and nccl) applies to the collectives started after it.
     """
-    groups = [*mesh.get_all_groups(), *(m.get_group() for m in meshes.values())]
+    groups = [*mesh.get_all_groups(), *(g for m in meshes.values() for g in m.get_all_groups())]
     if default_too:
         groups.append(dist.group.WORLD)
     for group in {id(g): g for g in groups}.values():
@@ -128,7 +128,11 @@ def _label_groups(meshes: dict[str, Any]) -> dict[str, str]:
     """Name every process group we made, for communication accounting."""
     labels: dict[str, str] = {_world().group_name: "world"}
     for name, mesh in meshes.items():  # mesh dims come last: the most specific label wins
-        labels[mesh.get_group().group_name] = name
+        if mesh.ndim == 1:
+            labels[mesh.get_group().group_name] = name
+        else:  # the experts' (replicate, shard) mesh: each dim by its name
+            for dim, group in zip(mesh.mesh_dim_names, mesh.get_all_groups(), strict=True):
+                labels[group.group_name] = dim
     return labels
 
 

@@ -39,9 +39,8 @@ class State:
     config, the topology, the mesh, the 1-D meshes per dim and SMP group, the device),
     and the names SMP v2 scripts read from ``tsm.state`` (docs/smp-compatibility.md):
     degrees, ranks and process groups by SMP v2's names, the ``ranker`` of replication
-    groups, and the activation offloading settings. Context and expert parallelism are
-    not built, so their degrees are always 1, their rank 0 and their groups hold this
-    rank alone."""
+    groups, and the activation offloading settings. Without context or expert
+    parallelism their rank is 0 and their group holds this rank alone."""
 
     def __init__(self) -> None:
         self._context: ParallelContext | None = None
@@ -204,8 +203,8 @@ class State:
 
     @property
     def ep_rank(self) -> int:
-        self._ctx("ep_rank")
-        return 0  # expert parallelism is not built: the degree is 1
+        """This rank's index in its expert-parallel group (which experts it holds)."""
+        return self._ctx("ep_rank").topology.ep_rank(dist.get_rank())
 
     @property
     def dp_rank(self) -> int:
@@ -246,8 +245,10 @@ class State:
 
     @property
     def ep_process_group(self) -> dist.ProcessGroup:
-        """This rank alone (expert parallelism is not built); made like cp's."""
-        return self._singleton("ep_process_group")
+        """The ranks that split this rank's experts (this rank alone when
+        ``expert_parallel_degree`` is 1, made like cp's)."""
+        group = self._ctx("ep_process_group").ep_group
+        return group if group is not None else self._singleton("ep_process_group")
 
     def _singleton(self, name: str) -> dist.ProcessGroup:
         self._ctx(name)

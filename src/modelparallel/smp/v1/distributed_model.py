@@ -83,6 +83,11 @@ class DistributedModel(nn.Module):
                 f"{ctx.topology.cp}: context parallelism is SMP v2's (tsm.transform, then "
                 "FSDP or mp.shard); mp.DistributedModel (SMP v1) does not split sequences. "
                 "Set context_parallel_degree to 1"))])
+        if ctx.topology.ep > 1:
+            raise ConfigError([("expert_parallel_degree", (
+                f"{ctx.topology.ep}: expert parallelism is SMP v2's (tsm.transform with a "
+                "MoEConfig, then mp.shard); mp.DistributedModel (SMP v1) does not split "
+                "experts. Set expert_parallel_degree to 1"))])
         self.options = ModelOptions(
             trace_device, trace_execution_times, trace_memory_usage, overlapping_allreduce,
             backward_passes_per_step, average_grads_across_microbatches, bucket_cap_mb,

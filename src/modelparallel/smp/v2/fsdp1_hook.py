@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from modelparallel.parallel import context_parallel, fsdp1, fsdp1_state, fsdp1_torch
+from modelparallel.parallel import (
+    context_parallel,
+    expert_parallel,
+    fsdp1,
+    fsdp1_state,
+    fsdp1_torch,
+)
 
 if TYPE_CHECKING:
     from modelparallel.smp.state import State
@@ -41,6 +47,7 @@ def install(state: State) -> None:
                          if k not in ("self", "module")}
             if not _constructing:  # the root (its auto-wrap makes the inner units)
                 context_parallel.require_split(module, ctx, "FullyShardedDataParallel")
+                expert_parallel.require_split(module, ctx, "FullyShardedDataParallel")
             _constructing.append(module)
             try:
                 fsdp1.construct(self, module, arguments, ctx, _original_init)

@@ -1,5 +1,7 @@
-"""``torch.sagemaker.moe``: expert parallelism is not built, so its configuration
-object exists (scripts build it before deciding) but every use of it is refused."""
+"""``torch.sagemaker.moe``: SMP v2's ``MoEConfig``, which ``tsm.transform(model,
+config=MoEConfig(...))`` reads to split a Hugging Face mixture-of-experts model's experts
+over ``expert_parallel_degree`` ranks (docs/expert-parallel.md). SMP's own MoE layer
+(``smp_moe=True``, ``MoELayer``) is not built."""
 
 from __future__ import annotations
 
@@ -8,15 +10,18 @@ from typing import Any
 
 from torch import nn
 
-NOT_SUPPORTED = ("expert parallelism (mixture-of-experts layers split over ranks) is not "
-                 "supported yet by modelparallel; leave expert_parallel_degree at 1 and do "
-                 "not pass a MoEConfig to transform()")
+SMP_MOE_NOT_BUILT = ("SMP's own mixture-of-experts implementation (smp_moe=True, MoELayer) is "
+                     "not built yet; pass MoEConfig(smp_moe=False, ...) to keep the model's "
+                     "own router and experts and split the experts over ranks")
 
 
 @dataclass
 class MoEConfig:
-    """SMP v2's ``MoEConfig`` fields; ``transform(model, config=MoEConfig(...))`` raises
-    NotImplementedError (expert parallelism is not built)."""
+    """SMP v2's ``MoEConfig`` fields. Built: ``smp_moe=False`` (the model's own router and
+    experts, split over ``expert_parallel_degree`` ranks) with ``moe_load_balancing=
+    "none"`` and the all-to-all dispatcher; the other choices are refused as not built
+    yet (``random_seed``, ``moe_aux_loss_coeff`` and ``moe_z_loss_coeff`` then have no
+    effect)."""
 
     smp_moe: bool = True
     random_seed: int = 12345
@@ -27,10 +32,23 @@ class MoEConfig:
     moe_z_loss_coeff: float = 0.001
     use_cpu_initialization: bool = False
 
+    def refusal(self) -> str | None:
+        """Why this configuration cannot be built yet (None when it can)."""
+        if self.smp_moe:
+            return SMP_MOE_NOT_BUILT
+        if self.global_token_shuffle:
+            return ("MoEConfig(global_token_shuffle=True) is not built yet; pass "
+                    "global_token_shuffle=False (each rank routes its own tokens)")
+        if not self.moe_all_to_all_dispatcher:
+            return ("MoEConfig(moe_all_to_all_dispatcher=False) is not built yet; pass "
+                    "moe_all_to_all_dispatcher=True (tokens travel to their experts by "
+                    "all-to-all)")
+        return None
+
 
 class MoELayer(nn.Module):
     """SMP v2's expert layer class (scripts test ``isinstance`` against it); building
     one raises NotImplementedError."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(NOT_SUPPORTED)
+        raise NotImplementedError(SMP_MOE_NOT_BUILT)

@@ -1,0 +1,115 @@
+"""Expert parallelism for Hugging Face mixture-of-experts models (transformers 5: Mixtral,
+Qwen2-MoE, Qwen3-MoE, and any model whose experts module has the same form).
+
+Such a model keeps each layer's experts in one module with fused 3-D weights,
+``gate_up_proj`` (experts, 2 x intermediate, hidden) and ``down_proj`` (experts, hidden,
+intermediate), called as ``experts(hidden, top_k_index, top_k_weights)`` after the
+layer's router chose ``top_k`` experts per token. Here each rank keeps its range of the
+experts (the weights sliced along the first dim, under their own names) and the module
+is called on what the ranks sent it: hooks around its forward dispatch the tokens before
+it and combine its results after it (``dispatch.py``), so the module's own computation
+(and the ``experts_implementation`` the model chose) runs on this rank's experts. The
+router, a shared expert and everything else are the model's own, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from modelparallel.errors import ConfigError
+from modelparallel.module_state import lookup, state_of
+from modelparallel.parallel.expert_parallel import dispatch
+from modelparallel.parallel.expert_parallel.ownership import ExpertRange, local_experts
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether ``module`` holds a layer's experts as fused 3-D weights (one per expert
+    along the first dim), as transformers 5's MoE models do."""
+    total = expert_count(module)
+    weights = [getattr(module, n, None) for n in EXPERT_WEIGHTS]
+    return total is not None and all(
+        isinstance(w, nn.Parameter) and w.dim() == 3 and w.shape[0] == total
+        for w in weights)
+
+
+def expert_count(module: nn.Module) -> int | None:
+    """``module.num_experts`` when it is a number (None otherwise)."""
+    total = getattr(module, "num_experts", None)
+    return total if isinstance(total, int) else None
+
+
+def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every experts module of ``model`` (name, module), outermost first."""
+    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+
+
+class ExpertParallelExperts:
+    """One experts module's share of expert parallelism: the experts this rank holds and
+    the hooks that send tokens to their experts and bring the results back."""
+
+    def __init__(self, experts: ExpertRange, group: dist.ProcessGroup) -> None:
+        self.experts = experts
+        self.group = group
+        # routings of forwards in flight (a recomputation nests inside its backward)
+        self._pending: list[tuple[dispatch.Routing, torch.Tensor]] = []
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden, index, weights = _bind(args, kwargs)
+        received, routing = dispatch.dispatch(hidden, index, weights, self.experts, self.group)
+        self._pending.append((routing, hidden))
+        # weight 1 here: the router's weights are applied where the token lives (combine)
+        ones = torch.ones(received.hidden.shape[0], 1, dtype=weights.dtype,
+                          device=weights.device)
+        return (received.hidden, received.local_expert[:, None], ones), {}
+
+    def after(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        routing, hidden = self._pending.pop()
+        return dispatch.combine(output, routing, self.group, like=hidden)
+
+
+def _bind(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    values = dict(zip(_ARGUMENTS, args, strict=False)) | kwargs
+    missing = [n for n in _ARGUMENTS if n not in values]
+    if missing or len(values) != len(_ARGUMENTS):
+        raise TypeError(f"an expert-parallel experts module takes (hidden_states, "
+                        f"top_k_index, top_k_weights); got {len(args)} positional arguments "
+                        f"and {sorted(kwargs)}")
+    return values["hidden_states"], values["top_k_index"], values["top_k_weights"]
+
+
+def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int) -> nn.Module:
+    """Keep this rank's experts in every experts module of ``model`` and route their
+    tokens over ``group`` (this rank is ``ep_rank`` of it). Raises ConfigError for a model
+    with no experts module or experts that do not split evenly."""
+    found = find_experts(model)
+    if not found:
+        raise ConfigError([("expert_parallel_degree", (
+            f"{dist.get_world_size(group)}, but {type(model).__name__} has no experts "
+            f"module expert parallelism knows (fused 3-D gate_up_proj and down_proj, one "
+            f"per expert, as Mixtral's, Qwen2-MoE's and Qwen3-MoE's in transformers 5); "
+            f"set expert_parallel_degree to 1"))])
+    if lookup(model, "expert_parallel") is not None:
+        return model  # transformed already
+    size = dist.get_world_size(group)
+    for name, module in found:
+        total = expert_count(module)
+        assert total is not None
+        experts = local_experts(total, ep_rank, size, where=name)
+        for weight in EXPERT_WEIGHTS:
+            whole = getattr(module, weight)
+            held = whole.detach()[experts.first:experts.first + experts.count].clone()
+            setattr(module, weight, nn.Parameter(held, requires_grad=whole.requires_grad))
+        # what the module's own forward indexes (setattr: mypy types module attributes
+        # as tensors or modules)
+        setattr(module, "num_experts", experts.count)  # noqa: B010
+        share = ExpertParallelExperts(experts, group)
+        module.register_forward_pre_hook(share.before, with_kwargs=True)
+        module.register_forward_hook(share.after)
+        state_of(module).expert_parallel = share
+    state_of(model).expert_parallel = [module for _, module in found]
+    return model

@@ -1,0 +1,64 @@
+"""FSDP2 over the ranks that hold the same experts, with the gradient averaged over every
+data-parallel rank.
+
+Under expert parallelism the ranks of an expert-parallel group hold different experts,
+so an experts module cannot join the FSDP unit of its layer (whose reduce-scatter runs
+over every data-parallel rank): each is a unit of its own on
+``ctx.expert_data_parallel_mesh()`` (``data-parallel size / ep`` ranks, sharded within a
+``dp_shard`` group and replicated over the rest, as torchtitan's ``dp_shard_mod_ep``).
+
+The gradient: each rank's loss is the mean over its own samples, so one process's
+gradient of an expert is the sum of every rank's contribution divided by the
+data-parallel size. The backward of the dispatch brings every contribution of an
+expert-parallel group to the rank holding the expert, and FSDP's reduction sums over the
+ranks holding it; FSDP divides by its mesh's size, ``dp / ep``, so a hook divides by
+``ep`` after it. (torch's ``set_gradient_divide_factor`` would say the same, but it
+reduces with PREMUL_SUM, which gloo does not have, and torch 2.13 divides twice on a
+one-rank mesh outside float32 and bfloat16.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from modelparallel.context import ParallelContext
+from modelparallel.errors import ConfigError
+from modelparallel.parallel import expert_parallel
+
+
+def shard_experts(model: nn.Module, ctx: ParallelContext, mp_policy: MixedPrecisionPolicy,
+                  materialize: Callable[[nn.Module], None] | None = None,
+                  **fully_shard_kwargs) -> None:
+    """``fully_shard`` each experts module expert parallelism split in ``model`` on the
+    mesh of the ranks holding its experts (before its layer's unit); nothing without
+    expert parallelism."""
+    modules = expert_parallel.split_experts(model)
+    if not modules:
+        return
+    if materialize is not None:
+        raise ConfigError([("expert_parallel_degree", (
+            f"{ctx.topology.ep} with parameters on the meta device (delayed parameter "
+            f"initialization) is not built yet; build the model with real parameters, or "
+            f"set expert_parallel_degree to 1"))])
+    # the layer's unit has cast the inputs already; the router's weights keep their dtype
+    policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
+    divide = divide_by(ctx.topology.ep)
+    for module in modules:
+        sharded = fully_shard(module, mesh=ctx.expert_data_parallel_mesh(), mp_policy=policy,
+                              **fully_shard_kwargs)
+        assert isinstance(sharded, FSDPModule)
+        sharded.set_all_reduce_hook(divide)
+
+
+def divide_by(factor: int) -> Callable[[torch.Tensor], None]:
+    """FSDP2 all-reduce hook: the reduced gradient divided by ``factor`` more."""
+
+    def hook(reduced: torch.Tensor) -> None:
+        reduced.div_(factor)
+
+    return hook
