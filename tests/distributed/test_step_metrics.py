@@ -118,3 +118,24 @@ def test_functional_collectives_are_counted(workers):
     for got_bytes, calls, full in workers(4).run(functional_collective_case):
         assert calls == {"dp_shard": 1}
         assert got_bytes == {"dp_shard": full * 3 / 4}
+
+
+def uneven_all_to_all_case():
+    import torch.distributed as dist
+
+    import modelparallel as mp
+
+    mp.init({})
+    send = [3, 1] if dist.get_rank() == 0 else [2, 2]
+    receive = [3, 2] if dist.get_rank() == 0 else [1, 2]
+    rows = torch.ones(sum(send), 5)
+    out = torch.empty(sum(receive), 5)
+    with mp.observe.CollectiveCounter(mp.state.group_labels) as counter:
+        dist.all_to_all_single(out, rows, output_split_sizes=receive, input_split_sizes=send)
+    return sum(counter.bytes.values())
+
+
+def test_an_uneven_all_to_all_counts_the_rows_that_leave_the_rank(workers):
+    """Expert parallelism's dispatch: rank 0 keeps 3 rows and sends 1, rank 1 keeps 2
+    and sends 2 (rows of 5 float32)."""
+    assert workers(2).run(uneven_all_to_all_case) == [1 * 20.0, 2 * 20.0]

@@ -6,7 +6,9 @@ what a bandwidth-optimal (ring) algorithm sends from each rank — the "bus byte
 nccl-tests — so they compare directly with the textbook figures:
 all-reduce ``2B(n-1)/n``, all-gather and reduce-scatter ``B(n-1)/n`` (B = the full,
 unsharded tensor), broadcast and a send ``B`` (a receive is counted as a call of no
-bytes: its bytes are the sender's).
+bytes: its bytes are the sender's). An all-to-all sends what leaves the rank: its input
+but the part addressed to itself (``B(n-1)/n`` for even splits; the rows of other ranks'
+splits for uneven ones, as expert parallelism's dispatch sends).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ _C10D_BYTES = {  # op name -> (bytes(args, n), position of the ProcessGroup argu
     "reduce_scatter_": (_ring(1, 1), 2),
     "reduce_scatter_tensor_coalesced_": (_ring(1, 1), 2),
     "alltoall_": (_ring(1, 1), 2),
-    "alltoall_base_": (_ring(1, 1), 2),
+    "alltoall_base_": (_ring(1, 1), 2),  # uneven splits: _alltoall_sent
     "broadcast_": (_whole(0), 1),
     "reduce_": (_whole(0), 1),
     "gather_": (_ring(1, 0), 2),
@@ -71,6 +73,13 @@ _FUNCTIONAL_BYTES = {  # _c10d_functional op -> bytes(input bytes, n)
     "all_to_all_single": lambda b, n: b * (n - 1) / n,
     "broadcast": lambda b, n: float(b) if n > 1 else 0.0,
 }
+
+
+def _alltoall_sent(rows: torch.Tensor, splits: list[int], rank: int) -> float:
+    """Bytes of ``rows`` an uneven all-to-all sends to other ranks (``splits[r]`` rows to
+    rank ``r``; the rank's own split stays)."""
+    row_bytes = _nbytes(rows) // max(rows.shape[0], 1) if rows.dim() else 0
+    return float(row_bytes * (sum(splits) - splits[rank]))
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -101,6 +110,9 @@ class CollectiveCounter(TorchDispatchMode):
             return
         size_of, pg_pos = entry
         pg = dist.ProcessGroup.unbox(args[pg_pos])
+        if name == "alltoall_base_" and args[4]:  # input_split_sizes given
+            self._add(pg.group_name, _alltoall_sent(args[1], list(args[4]), pg.rank()))
+            return
         self._add(pg.group_name, size_of(args, pg.size()))
 
     def _count_functional(self, name: str, args: Sequence) -> None:
