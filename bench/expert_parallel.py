@@ -186,8 +186,9 @@ def main() -> None:
         ratios["ep_combine_bytes"] = worst["combine"]
         ratios["ep_routing_balance"] = worst["balance"]
         times = group.run(step_times, args=args)[0]
+        rounds = ", ".join(f"{x:.4f}" for x in times["rounds"])
         print(f"step: expert parallel {times['ours'] * 1e3:.0f} ms, plain data parallel "
-              f"{times['hand'] * 1e3:.0f} ms; rounds {', '.join(f'{x:.4f}' for x in times['rounds'])}")
+              f"{times['hand'] * 1e3:.0f} ms; rounds {rounds}")
         ratios["ep_step_time"] = times["ratio"]
     print("RATIOS " + " ".join(f"{k}={v:.4f}" for k, v in ratios.items()))
 
