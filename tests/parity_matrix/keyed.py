@@ -189,7 +189,10 @@ def keyed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     weights = query @ key.transpose(2, 3) * scale
     if attention_mask is not None:
         weights = weights + attention_mask[..., :key.shape[-2]]
-    weights = weights.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    # float32 at least, as Hugging Face's eager attention; float64 stays float64 (the
+    # float64 rerun's answer must be exact where ring attention computes in float64)
+    softmax_dtype = torch.promote_types(query.dtype, torch.float32)
+    weights = weights.softmax(dim=-1, dtype=softmax_dtype).to(query.dtype)
     dropped: KeyedDropout = module.keyed_weights_dropout  # type: ignore[assignment]
     weights = dropped(weights, p=dropout)
     return (weights @ value).transpose(1, 2).contiguous(), weights
