@@ -42,6 +42,8 @@ class ModuleState:
     # expert parallelism: on the model, its split experts modules; on each of those, its
     # ExpertParallelExperts (parallel/expert_parallel/hugging_face.py)
     expert_parallel: Any = None
+    # a MoE model's load-balancing loss over the batch (parallel/expert_parallel/router_loss.py)
+    router_loss: Any = None
     # pipeline parallelism
     partition: int | None = None  # the stage mp.partition / set_partition gave it
     # activations

@@ -169,6 +169,10 @@ ATTRIBUTES = {
     "_attn_implementation": Private("transformers.PretrainedConfig",
                                     "context parallelism: which attention a model runs "
                                     "(transformers has no public getter)"),
+    "_can_record_outputs": Private("transformers.PreTrainedModel",
+                                   "the router modules an MoE model records router logits "
+                                   "from (the load-balancing loss over ranks; no public "
+                                   "declaration)"),
 }
 
 
@@ -253,3 +257,5 @@ def test_python_and_transformers_privates_are_where_we_reach_them():
     assert isinstance(argparse.ArgumentParser().add_subparsers(), argparse._SubParsersAction)
     assert hasattr(transformers.PreTrainedModel, "_no_split_modules")
     assert transformers.LlamaConfig(attn_implementation="sdpa")._attn_implementation == "sdpa"
+    recorder = transformers.MixtralForCausalLM._can_record_outputs["router_logits"]
+    assert recorder.target_class.__name__ == "MixtralTopKRouter" and recorder.index == 0

@@ -49,7 +49,8 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
                                 weights_from_rank0=load_state_dict_from_rank0)
     model = context_parallel.apply(model, ctx, cp_comm_type)
     if isinstance(config, MoEConfig):
-        model = expert_parallel.apply(model, ctx, config.moe_load_balancing)
+        model = expert_parallel.apply(model, ctx, config.moe_load_balancing,
+                                      config.moe_aux_loss_coeff)
     stale_params.record_replaced(before, model, "mp.transform()")
     if ctx.topology.dp_shard == 1:  # else the sharding that follows checks
         warn_if_state_cannot_fit(model, ctx.rank, ctx.device, "mp.transform")
@@ -64,6 +65,7 @@ def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: 
     group = ctx.gradient_group(splitting.tp_ranks_are_replicas(
         model, ctx.topology.tp))
     before = dict(model.named_parameters())
+    expert_parallel.balance_over_batch(model, ctx)
     model = sharding.shard(model, ctx, blocks=blocks, reshard_after_forward=reshard_after_forward,
                            mp_policy=mp_policy, **fully_shard_kwargs)
     stale_params.record_replaced(before, model, "mp.shard()")
@@ -80,6 +82,7 @@ def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
     group = ctx.gradient_group(splitting.tp_ranks_are_replicas(
         model, ctx.topology.tp))
     before = dict(model.named_parameters())
+    expert_parallel.balance_over_batch(model, ctx)
     model = replicating.replicate(model, ctx, **ddp_kwargs)
     stale_params.record_replaced(before, model, "mp.replicate()")  # DDP: none
     # a tensor-parallel model's replicas are FSDP2's (DDP finds unused parameters itself)
@@ -89,9 +92,10 @@ def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
 
 transform.__doc__ = (splitting.transform.__doc__ or "") + """
     SMP v2's arguments: ``load_state_dict_from_rank0`` is ``weights_from_rank0`` above;
-    ``config``: a ``MoEConfig(smp_moe=False, moe_load_balancing="none")`` splits a
-    Hugging Face mixture-of-experts model's experts over ``expert_parallel_degree``
-    ranks (docs/expert-parallel.md); SMP's transformer options raise NotImplementedError.
+    ``config``: a ``MoEConfig(smp_moe=False, moe_load_balancing="none" or "aux_loss")``
+    splits a Hugging Face mixture-of-experts model's experts over
+    ``expert_parallel_degree`` ranks and computes its load-balancing loss over the whole
+    batch (docs/expert-parallel.md); SMP's transformer options raise NotImplementedError.
 
     With ``context_parallel_degree`` > 1 the model (a Hugging Face Llama, Mistral,
     Qwen2/3 or GPT-NeoX causal LM) then takes this rank's chunks of each sequence (SMP's

@@ -6,7 +6,8 @@ all-to-all.
 all-to-all, ``dispatch.py`` sends each token's choices to their experts and combines the
 results, ``hugging_face.py`` finds a Hugging Face model's experts modules and splits
 them, ``sharding.py`` shards the experts with FSDP2 over the ranks that hold the same
-experts (docs/expert-parallel.md).
+experts, ``router_loss.py`` computes a model's load-balancing loss over the whole batch
+(docs/expert-parallel.md).
 """
 
 from __future__ import annotations
@@ -16,39 +17,62 @@ from torch import nn
 from modelparallel.config import ConfigError
 from modelparallel.context import ParallelContext
 from modelparallel.module_state import lookup
+from modelparallel.parallel.expert_parallel import router_loss
+from modelparallel.topology import CommGroup
 
 LOAD_BALANCING = ("aux_loss", "sinkhorn", "balanced", "none")
-BUILT_LOAD_BALANCING = ("none",)
+BUILT_LOAD_BALANCING = ("aux_loss", "none")
 
 
-def apply(model: nn.Module, ctx: ParallelContext, load_balancing: str = "none") -> nn.Module:
+def apply(model: nn.Module, ctx: ParallelContext, load_balancing: str = "none",
+          aux_loss_coeff: float | None = None) -> nn.Module:
     """Split ``model``'s experts over this rank's expert-parallel group (nothing to do with
-    ``expert_parallel_degree`` 1). ``load_balancing`` is SMP's ``moe_load_balancing``:
-    only ``"none"`` (the router as the model has it, no balancing loss) is built."""
+    ``expert_parallel_degree`` 1), and compute the model's load-balancing loss over the
+    whole batch (:func:`balance_over_batch`). ``load_balancing`` is SMP's
+    ``moe_load_balancing``: ``"none"`` keeps the model's configuration, ``"aux_loss"``
+    turns the model's own load-balancing loss on with weight ``aux_loss_coeff``."""
     if load_balancing not in LOAD_BALANCING:
         raise ValueError(f"moe_load_balancing={load_balancing!r}; SMP accepts "
                          f"{', '.join(map(repr, LOAD_BALANCING))}")
     if load_balancing not in BUILT_LOAD_BALANCING:
         raise NotImplementedError(
-            f"moe_load_balancing={load_balancing!r} is not built yet; use "
-            f"moe_load_balancing='none' (the model's own router, no balancing loss)")
+            f"moe_load_balancing={load_balancing!r} is not built yet (it depends on the set "
+            f"of tokens each rank routes); use moe_load_balancing='aux_loss' (the model's own "
+            f"load-balancing loss, over the whole batch) or 'none' (the model as configured)")
+    if load_balancing == "aux_loss":
+        _turn_on_router_loss(model, aux_loss_coeff)
+    balance_over_batch(model, ctx)
     if ctx.ep_group is None:
         return model
     from modelparallel.parallel.expert_parallel import hugging_face
 
-    _refuse_router_loss(model)
     return hugging_face.install(model, ctx.ep_group, ctx.topology.ep_rank(ctx.rank))
 
 
-def _refuse_router_loss(model: nn.Module) -> None:
-    """A model that adds its own load-balancing loss computes it from this rank's tokens
-    only: refused until ``aux_loss`` is built (its statistics all-reduced)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
-        raise ConfigError([("expert_parallel_degree", (
-            "the model adds its router's load-balancing loss (config.output_router_logits="
-            "True), computed from this rank's tokens only under expert parallelism; set "
-            "output_router_logits=False (moe_load_balancing='aux_loss' is not built yet)"))])
+def _turn_on_router_loss(model: nn.Module, coefficient: float | None) -> None:
+    """``moe_load_balancing='aux_loss'``: the model adds its routers' load-balancing loss
+    (``config.output_router_logits``), weighted by ``coefficient`` (SMP's
+    ``moe_aux_loss_coeff``) when given, else by the model's ``router_aux_loss_coef``."""
+    if not router_loss.has_router_loss(model):
+        raise ConfigError([("moe_load_balancing", (
+            f"'aux_loss' needs a model that adds its routers' load-balancing loss "
+            f"(output_router_logits and router_aux_loss_coef, as Hugging Face's Mixtral, "
+            f"Qwen2-MoE, Qwen3-MoE and OLMoE); {type(model).__name__} has none: pass "
+            f"moe_load_balancing='none'"))])
+    config = getattr(model, "config")  # noqa: B009 (a Hugging Face model's; mypy types it)
+    config.output_router_logits = True
+    if coefficient is not None:
+        config.router_aux_loss_coef = coefficient
+        setattr(model, "router_aux_loss_coef", coefficient)  # noqa: B010 (read by forward)
+
+
+def balance_over_batch(model: nn.Module, ctx: ParallelContext) -> None:
+    """Make ``model``'s own load-balancing loss (Hugging Face MoE models, when a call asks
+    for it) one process's over the whole batch: its statistics summed over the ranks
+    holding different samples (router_loss.py). Nothing for other models, on one rank,
+    or with a pipeline (the loss and the routers live on different stages)."""
+    if ctx.topology.pp == 1 and router_loss.has_router_loss(model):
+        router_loss.install(model, ctx.process_group(CommGroup.RDP_GROUP))
 
 
 def split_experts(model: nn.Module) -> list[nn.Module]:

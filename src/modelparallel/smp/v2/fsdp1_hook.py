@@ -48,6 +48,7 @@ def install(state: State) -> None:
             if not _constructing:  # the root (its auto-wrap makes the inner units)
                 context_parallel.require_split(module, ctx, "FullyShardedDataParallel")
                 expert_parallel.require_split(module, ctx, "FullyShardedDataParallel")
+                expert_parallel.balance_over_batch(module, ctx)
             _constructing.append(module)
             try:
                 fsdp1.construct(self, module, arguments, ctx, _original_init)

@@ -18,10 +18,12 @@ SMP_MOE_NOT_BUILT = ("SMP's own mixture-of-experts implementation (smp_moe=True,
 @dataclass
 class MoEConfig:
     """SMP v2's ``MoEConfig`` fields. Built: ``smp_moe=False`` (the model's own router and
-    experts, split over ``expert_parallel_degree`` ranks) with ``moe_load_balancing=
-    "none"`` and the all-to-all dispatcher; the other choices are refused as not built
-    yet (``random_seed``, ``moe_aux_loss_coeff`` and ``moe_z_loss_coeff`` then have no
-    effect)."""
+    experts, split over ``expert_parallel_degree`` ranks) with the all-to-all dispatcher
+    and ``moe_load_balancing`` ``"none"`` (the model as configured) or ``"aux_loss"`` (the
+    model's own load-balancing loss turned on, weighted by ``moe_aux_loss_coeff``, with
+    ``moe_z_loss_coeff=0``: no z-loss is built); the other choices are refused as not
+    built yet. ``random_seed`` has no effect; ``moe_aux_loss_coeff`` and
+    ``moe_z_loss_coeff`` none with ``"none"`` (docs/expert-parallel.md)."""
 
     smp_moe: bool = True
     random_seed: int = 12345
@@ -43,6 +45,10 @@ class MoEConfig:
             return ("MoEConfig(moe_all_to_all_dispatcher=False) is not built yet; pass "
                     "moe_all_to_all_dispatcher=True (tokens travel to their experts by "
                     "all-to-all)")
+        if self.moe_load_balancing == "aux_loss" and self.moe_z_loss_coeff:
+            return (f"MoEConfig(moe_z_loss_coeff={self.moe_z_loss_coeff}): the router z-loss is "
+                    f"not built yet (Hugging Face's Mixtral and Qwen MoE models have none); "
+                    f"pass moe_z_loss_coeff=0 with moe_load_balancing='aux_loss'")
         return None
 
 
