@@ -12,6 +12,7 @@ optimizer is SGD with momentum: a wrong gradient shows in every parameter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -158,8 +159,10 @@ def refusals_case() -> dict[str, str]:
     got["smp_moe"] = message(lambda: tsm.transform(build(), config=MoEConfig()))
     got["sinkhorn"] = message(lambda: tsm.transform(
         build(), config=MoEConfig(smp_moe=False, moe_load_balancing="sinkhorn")))
-    got["z-loss"] = message(lambda: tsm.transform(
-        build(), config=MoEConfig(smp_moe=False, moe_load_balancing="aux_loss")))
+    with _captured_notices() as notices:  # transforms, and says the z-loss does nothing
+        got["z-loss"] = message(lambda: tsm.transform(
+            build(), config=MoEConfig(smp_moe=False, moe_load_balancing="aux_loss")))
+    got["z-loss notices"] = notices
     odd = build()
     for layer in odd.model.layers:
         experts = layer.mlp.experts
@@ -170,6 +173,26 @@ def refusals_case() -> dict[str, str]:
     held = tsm.transform(build(), config=plain).model.layers[0].mlp.experts
     got["held"] = f"{held.num_experts} {tuple(held.gate_up_proj.shape)}"
     return got
+
+
+@contextlib.contextmanager
+def _captured_notices():
+    """The WARNING lines the ``modelparallel`` logger writes meanwhile."""
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("modelparallel")
+    handler = Keep(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_state_and_misuse_are_refused_in_one_message(workers):
@@ -188,7 +211,10 @@ def test_state_and_misuse_are_refused_in_one_message(workers):
         assert got["sinkhorn"].startswith(
             "moe_load_balancing='sinkhorn' is not built yet (it depends on the set of tokens "
             "each rank routes); use moe_load_balancing='aux_loss'")
-        assert got["z-loss"].startswith("MoEConfig(moe_z_loss_coeff=0.001): the router z-loss "
-                                        "is not built yet")
+        assert got["z-loss"] == "no error"
+        assert got["z-loss notices"] == ([
+            "MoEConfig(moe_z_loss_coeff=0.001) has no effect: the model's own router "
+            "(smp_moe=False) has no z-loss (Hugging Face's Mixtral and Qwen MoE models add "
+            "none; SMP's is its own MoE layer's)"] if rank == 0 else [])
         assert "2 does not divide the 3 experts of model.layers.0.mlp.experts" in \
             got["uneven experts"]

@@ -38,6 +38,8 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
             f"config=None or a MoEConfig")
     if isinstance(config, MoEConfig) and (why := config.refusal()) is not None:
         raise NotImplementedError(why)
+    if isinstance(config, MoEConfig) and (ignored := config.ignored()) is not None:
+        notice("%s", ignored)
     if cp_comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type={cp_comm_type!r}; SMP accepts 'p2p' or 'all_gather'")
     if cp_comm_type != "p2p" and ctx.topology.cp == 1:

@@ -20,10 +20,10 @@ class MoEConfig:
     """SMP v2's ``MoEConfig`` fields. Built: ``smp_moe=False`` (the model's own router and
     experts, split over ``expert_parallel_degree`` ranks) with the all-to-all dispatcher
     and ``moe_load_balancing`` ``"none"`` (the model as configured) or ``"aux_loss"`` (the
-    model's own load-balancing loss turned on, weighted by ``moe_aux_loss_coeff``, with
-    ``moe_z_loss_coeff=0``: no z-loss is built); the other choices are refused as not
-    built yet. ``random_seed`` has no effect; ``moe_aux_loss_coeff`` and
-    ``moe_z_loss_coeff`` none with ``"none"`` (docs/expert-parallel.md)."""
+    model's own load-balancing loss turned on, weighted by ``moe_aux_loss_coeff``); the
+    other choices are refused as not built yet. ``random_seed`` has no effect, nor has
+    ``moe_z_loss_coeff`` (the model's router has no z-loss: one notice says so with
+    ``"aux_loss"``), nor ``moe_aux_loss_coeff`` with ``"none"`` (docs/expert-parallel.md)."""
 
     smp_moe: bool = True
     random_seed: int = 12345
@@ -45,10 +45,14 @@ class MoEConfig:
             return ("MoEConfig(moe_all_to_all_dispatcher=False) is not built yet; pass "
                     "moe_all_to_all_dispatcher=True (tokens travel to their experts by "
                     "all-to-all)")
+        return None
+
+    def ignored(self) -> str | None:
+        """What a built configuration asks for that has no effect (a notice), or None."""
         if self.moe_load_balancing == "aux_loss" and self.moe_z_loss_coeff:
-            return (f"MoEConfig(moe_z_loss_coeff={self.moe_z_loss_coeff}): the router z-loss is "
-                    f"not built yet (Hugging Face's Mixtral and Qwen MoE models have none); "
-                    f"pass moe_z_loss_coeff=0 with moe_load_balancing='aux_loss'")
+            return (f"MoEConfig(moe_z_loss_coeff={self.moe_z_loss_coeff}) has no effect: the "
+                    f"model's own router (smp_moe=False) has no z-loss (Hugging Face's "
+                    f"Mixtral and Qwen MoE models add none; SMP's is its own MoE layer's)")
         return None
 
 
