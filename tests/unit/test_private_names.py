@@ -43,6 +43,9 @@ IMPORTS = {name: "imported" for name in (
     "torch._guards.active_fake_mode",  # the planner: is a fake mode on
     "torch._subclasses.fake_tensor.FakeTensorMode",  # the planner's fake tensors
     "torch._subclasses.fake_tensor.FakeTensor",  # the constants a fake tensor carries
+    # what fake tensors raise for a shape that depends on values: one line, not a traceback
+    "torch._subclasses.fake_tensor.DataDependentOutputException",
+    "torch._subclasses.fake_tensor.DynamicOutputShapeException",
     "torch._subclasses.fake_tensor.is_fake",
     "torch._subclasses.fake_tensor.unset_fake_temporarily",  # meshes built for real
     "torch.distributed._composable.replicate_with_fsdp.replicate",  # replicas (DDP on FSDP2)
@@ -166,6 +169,11 @@ ATTRIBUTES = {
     "_restart_workers": Private(
         "torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent",
         "a restart of the worker group, announced before torch's own runs"),
+    "_grouped_mm": Private("torch.ops.aten", "the planner: mixture-of-experts grouped "
+                           "matmuls shaped in any dtype, and their FLOPs"),
+    "_experts_implementation": Private("transformers.PretrainedConfig",
+                                       "the planner: whether an experts module loops over "
+                                       "the experts chosen (no public getter per module)"),
     "_attn_implementation": Private("transformers.PretrainedConfig",
                                     "context parallelism: which attention a model runs "
                                     "(transformers has no public getter)"),

@@ -33,7 +33,24 @@ class JobPlan:
 
 def plan_job(work: Workload, ranks: list[int] | None = None) -> JobPlan:
     """Simulate the ``ranks`` of ``work`` (all by default; ranks that wait for a later
-    rank's objects are simulated again after it)."""
+    rank's objects are simulated again after it). A rank whose experts are split over
+    expert-parallel ranks is simulated with the worst routing for its peaks and with a
+    balanced one for its collectives and the balanced peak (``plan/experts.py``)."""
+    plans = _simulate_ranks(work, ranks, "worst")
+    routed = [p.rank for p in plans if p.routing]
+    if routed:
+        balanced = {p.rank: p for p in _simulate_ranks(work, routed, "balanced")}
+        for p in plans:
+            if p.rank in balanced:
+                expected = balanced[p.rank]
+                p.peak_bytes_balanced_routing = expected.peak_bytes
+                p.peak_tensor_bytes_balanced_routing = expected.peak_tensor_bytes
+                p.comm_bytes, p.comm_calls = expected.comm_bytes, expected.comm_calls
+                p.flops, p.ops = expected.flops, expected.ops
+    return JobPlan(work, plans)
+
+
+def _simulate_ranks(work: Workload, ranks: list[int] | None, routing: str) -> list[RankPlan]:
     mailbox = ObjectMailbox()
     done: dict[int, RankPlan] = {}
     pending = list(range(work.world_size)) if ranks is None else sorted(ranks)
@@ -41,13 +58,13 @@ def plan_job(work: Workload, ranks: list[int] | None = None) -> JobPlan:
         waiting = []
         for rank in pending:
             try:
-                done[rank] = simulate(work, rank, mailbox)
+                done[rank] = simulate(work, rank, mailbox, routing)
             except NotYetSent:
                 waiting.append(rank)
         if len(waiting) == len(pending):
             raise PlanError(f"ranks {waiting} wait for each other's objects")
         pending = waiting
-    return JobPlan(work, [done[r] for r in sorted(done)])
+    return [done[r] for r in sorted(done)]
 
 
 __all__ = ["JobPlan", "PlanError", "RankPlan", "Workload", "plan_job"]

@@ -16,14 +16,18 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelparallel.plan.experts import assume_routing, refuse_routing_loops
 from modelparallel.plan.fake_world import (
+    VALUE_DEPENDENT_SHAPES,
     PlanError,
     fake_process_group,
     fake_tensors,
+    user_line,
 )
 from modelparallel.plan.mailbox import ObjectMailbox
 from modelparallel.plan.tracker import StepTracker
@@ -50,14 +54,22 @@ class RankPlan:
     peak_bytes_copies_freed_at_once: int = 0
     # tensors alone, without gloo's working copies (on NCCL, all three peaks are this)
     peak_tensor_bytes: int = 0
+    # with experts split over expert-parallel ranks, the routing the peaks assume
+    # ("worst", plan/experts.py) and the peak with a balanced router; the collectives,
+    # FLOPs and operations are then the balanced router's (the expected step)
+    routing: str = ""
+    peak_bytes_balanced_routing: int = 0
+    peak_tensor_bytes_balanced_routing: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None) -> RankPlan:
+def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None,
+             routing: str = "worst") -> RankPlan:
     """Simulate ``rank``'s step of ``work`` (in this process; no process group may exist).
-    Simulate the ranks of one job in rank order with one ``mailbox``."""
+    Simulate the ranks of one job in rank order with one ``mailbox``. Experts split over
+    expert-parallel ranks receive the rows ``routing`` assumes (``plan/experts.py``)."""
     if work.optimizer not in OPTIMIZERS:
         raise PlanError(f"--optimizer {work.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     import modelparallel as mp
@@ -74,6 +86,8 @@ def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None) ->
                 peaks = []  # (tensors, copies freed at once, late) of each phase
                 with tracker:
                     trainer = TrainingScript(work, mp)
+                refuse_routing_loops(trainer.model)
+                routed = assume_routing(trainer.model, routing) > 0
                 peaks.append((tracker.peak_tensors, tracker.peak, tracker.peak_late))
                 with tracker:  # entering starts the phase's peaks from what is live
                     trainer.step()  # creates the optimizer state
@@ -91,7 +105,13 @@ def simulate(work: Workload, rank: int, mailbox: ObjectMailbox | None = None) ->
                 comm_bytes=dict(counter.bytes), comm_calls=dict(counter.calls),
                 flops=int(tracker.flops), ops=tracker.ops,
                 coordinates=dict(mp.state.context.topology.coordinate(rank)),
-                peak_bytes_copies_freed_at_once=early, peak_tensor_bytes=tensors)
+                peak_bytes_copies_freed_at_once=early, peak_tensor_bytes=tensors,
+                routing=routing if routed else "")
+        except VALUE_DEPENDENT_SHAPES as error:
+            raise PlanError(
+                f"the step makes a tensor whose shape depends on values ({error.func}), which "
+                f"the planner cannot know without running it, at "
+                f"{user_line(traceback.extract_tb(error.__traceback__))}") from None
         finally:
             mp.reset()
 

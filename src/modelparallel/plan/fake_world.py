@@ -13,7 +13,8 @@ for the planner is here, each piece with the reason:
   scaler's overflow flag) do not exist under fake tensors. ``ScalarPolicy`` answers
   with the value of a healthy step (no overflow, a count of 1), answers the integers
   of ``KNOWN_INTEGERS`` (torch's pipeline warm-up vote: every stage knows its shapes,
-  our engine's stages leave it to torch), and refuses other integers, naming the line that asked.
+  our engine's stages leave it to torch) and the flags of ``KNOWN_FLAGS`` (no parameter
+  on the meta device), and refuses other integers, naming the line that asked.
 - Object collectives are carried between the simulated ranks (``plan/mailbox.py``).
 - A fake tensor of one element made from a value (``torch.tensor([rows])``) carries
   that value as a constant, and the fake mode runs an operation whose inputs are all
@@ -32,6 +33,10 @@ for the planner is here, each piece with the reason:
   propagation runs in a fake mode of its own and allocates nothing;
   ``_propagation_outside_fake_mode`` runs it with the planner's mode unset, so it gets
   one of its own here too.
+- torch's shape function for ``_grouped_mm`` (transformers 5's default experts
+  computation) checks the CUDA kernel's rule, bfloat16 only; the CPU kernel, which a CPU
+  run calls, computes float32 too. ``GroupedMatmulShapes`` asks it for the shape in
+  bfloat16 and makes the output in the run's dtype.
 - ``StepTracker`` (``plan/tracker.py``) wraps ``UntypedStorage.resize_``, which no
   dispatch mode sees and FSDP2 frees and refills parameter storage with.
 
@@ -50,6 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
     is_fake,
@@ -59,6 +66,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "GROUPED_MM",
+    "VALUE_DEPENDENT_SHAPES",
+    "GroupedMatmulShapes",
     "NotYetSent",
     "PlanError",
     "ScalarPolicy",
@@ -69,7 +79,13 @@ __all__ = [
     "group_or_world",
     "is_fake",
     "unset_fake_temporarily",
+    "user_line",
 ]
+
+
+# what fake tensors raise for an operation whose output depends on values (nonzero,
+# a boolean mask's index): no shape without running it
+VALUE_DEPENDENT_SHAPES = (DynamicOutputShapeException, DataDependentOutputException)
 
 
 class PlanError(RuntimeError):
@@ -112,6 +128,12 @@ KNOWN_INTEGERS = {
     # FSDP's per-step flags of parameters used: every rank used every one
     ("modelparallel/parallel/unused_grads.py", "settle"): 1,
 }
+# (file suffix, function) reading a floating flag -> what the planner's model gives there
+KNOWN_FLAGS = {
+    # whether a rank holds parameters on the meta device: the planner builds every one
+    # as a fake tensor of its shape, on the run's device
+    ("modelparallel/parallel/delayed_init.py", "held_anywhere"): 0.0,
+}
 
 
 class ScalarPolicy(TorchDispatchMode):
@@ -126,16 +148,49 @@ class ScalarPolicy(TorchDispatchMode):
             dtype = args[0].dtype
             if dtype == torch.bool:
                 return False  # no overflow, no non-finite gradient
-            if dtype.is_floating_point:
-                return 1.0
             stack = traceback.extract_stack()
-            for frame in reversed(stack):
-                for (suffix, function), value in KNOWN_INTEGERS.items():
-                    if frame.filename.endswith(suffix) and frame.name == function:
-                        return value
+            if dtype.is_floating_point:
+                return _known(stack, KNOWN_FLAGS, default=1.0)
+            value = _known(stack, KNOWN_INTEGERS)
+            if value is not None:
+                return value
             raise PlanError("the step reads an integer from a tensor, which the planner "
-                            f"cannot know without running it, at {_user_line(stack)}")
+                            f"cannot know without running it, at {user_line(stack)}")
         return func(*args, **(kwargs or {}))
+
+
+def _known(stack: traceback.StackSummary, known: dict[tuple[str, str], Any],
+           default: Any = None) -> Any:
+    """The value ``known`` gives the innermost frame of ``stack`` it names, else ``default``."""
+    for frame in reversed(stack):
+        for (suffix, function), value in known.items():
+            if frame.filename.endswith(suffix) and frame.name == function:
+                return value
+    return default
+
+
+# the grouped matmul of mixture-of-experts layers (transformers 5's default experts kernel)
+GROUPED_MM = torch.ops.aten._grouped_mm
+
+
+class GroupedMatmulShapes(TorchDispatchMode):
+    """``_grouped_mm`` on fake tensors of any floating dtype: the output torch's shape
+    function gives for bfloat16 inputs of the same shapes and strides, in the inputs'
+    dtype (or the ``out_dtype`` asked for)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is not GROUPED_MM.default or not is_fake(args[0]) \
+                or args[0].dtype == torch.bfloat16:
+            return func(*args, **kwargs)
+        a, b, *rest = args
+        named = dict(zip(("offs", "bias", "out_dtype"), rest, strict=False)) | kwargs
+        out_dtype = named.pop("out_dtype", None)
+        like = {k: torch.empty_strided(t.shape, t.stride(), dtype=torch.bfloat16,
+                                       device=t.device) if isinstance(t, torch.Tensor)
+                and t.is_floating_point() else t for k, t in (("a", a), ("b", b), *named.items())}
+        shape = func(like.pop("a"), like.pop("b"), **like).shape
+        return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
 
 
 @contextlib.contextmanager
@@ -152,7 +207,8 @@ def _constants_hidden(leaves: list[Any]) -> Iterator[None]:
             t.constant = constant
 
 
-def _user_line(stack: traceback.StackSummary) -> str:
+def user_line(stack: traceback.StackSummary) -> str:
+    """The innermost frame of ``stack`` outside torch and the planner, as file:line: code."""
     frames = [f for f in stack if "/torch/" not in f.filename and "/plan/" not in f.filename
               and not f.filename.endswith("parallel/dataflow.py")]
     if not frames:
@@ -208,9 +264,10 @@ def _propagation_outside_fake_mode() -> Iterator[None]:
 def fake_tensors() -> Iterator[FakeTensorMode]:
     """Fake tensors for everything created inside (real tensors passed in are
     converted), device meshes built as usual, DTensor's shape propagation in a fake
-    mode of its own, and ``.item()`` answered."""
+    mode of its own, ``.item()`` answered and ``_grouped_mm`` shaped in any dtype."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _meshes_outside_fake_mode(), _propagation_outside_fake_mode(), mode, ScalarPolicy():
+    with _meshes_outside_fake_mode(), _propagation_outside_fake_mode(), mode, ScalarPolicy(), \
+            GroupedMatmulShapes():
         yield mode
 
 

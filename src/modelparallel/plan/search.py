@@ -5,8 +5,10 @@ A layout is a pipeline, tensor-parallel and hybrid-shard degree whose product of
 first two divides the world (the rest is data parallelism, sharded over
 ``hybrid_shard_degree`` ranks and replicated over the others), and, for a model context
 parallelism splits (a Hugging Face causal LM of ``MODEL_TYPES``) without a pipeline, a
-context-parallel degree dividing the shard degree (planned with ``transform`` +
-``shard``, the API that has it); the configuration's other keys are kept. Layouts
+context-parallel degree dividing the shard degree; for a model whose experts expert
+parallelism splits, without pipeline and tensor parallelism, an expert-parallel degree
+dividing the data-parallel size and the experts (both planned with ``transform`` +
+``shard``, the API that has them); the configuration's other keys are kept. Layouts
 train different numbers of sequences per step (the ranks of a pipeline or a
 context-parallel group read the same ones), so they are ranked by step time per
 sequence. To keep the search quick, each layout simulates one rank per pipeline
@@ -23,6 +25,7 @@ from typing import Any
 from modelparallel.config import Config, ConfigError
 from modelparallel.data import BatchSizeError
 from modelparallel.parallel.context_parallel.hugging_face import find_causal_lm
+from modelparallel.parallel.expert_parallel.hugging_face import expert_count, find_experts
 from modelparallel.plan import JobPlan, PlanError, plan_job
 from modelparallel.plan.device_model import DeviceModel
 from modelparallel.plan.estimate import StepEstimate, estimate_step
@@ -49,24 +52,31 @@ class Candidate:
         return self.estimate.step_s / self.rows_per_step if self.estimate else 0.0
 
 
-def layouts(world_size: int, base: dict[str, Any],
-            context_parallel: bool = False) -> list[dict[str, Any]]:
+def layouts(world_size: int, base: dict[str, Any], context_parallel: bool = False,
+            experts: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     """Every (pp, tp, hybrid_shard_degree) of ``world_size`` over the ``base`` keys, and
     with ``context_parallel`` every context-parallel degree > 1 of those without a
-    pipeline (a divisor of the shard degree)."""
+    pipeline (a divisor of the shard degree); for a model whose layers hold ``experts``
+    experts (each layer's count), every expert-parallel degree > 1 dividing the
+    data-parallel size and every count, of the layouts without pipeline and tensor
+    parallelism (what expert parallelism combines with)."""
     out = []
     for pp in _divisors(world_size):
         for tp in _divisors(world_size // pp):
             dp = world_size // (pp * tp)
             for shard in _divisors(dp):
                 config = {**base, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp,
-                          "hybrid_shard_degree": shard, "context_parallel_degree": 1}
+                          "hybrid_shard_degree": shard, "context_parallel_degree": 1,
+                          "expert_parallel_degree": 1}
                 if pp > 1:
                     config["microbatches"] = max(base.get("microbatches", 1), pp)
                 out.append(config)
                 if context_parallel and pp == 1:
                     out += [{**config, "context_parallel_degree": cp}
                             for cp in _divisors(shard) if cp > 1]
+                if experts and pp == 1 and tp == 1:
+                    out += [{**config, "expert_parallel_degree": ep} for ep in _divisors(dp)
+                            if ep > 1 and all(count % ep == 0 for count in experts)]
     return out
 
 
@@ -74,7 +84,7 @@ def search(work: Workload, device: DeviceModel, memory_per_device: int) -> list[
     """Every layout, planned: those that fit first, the least time per sequence first;
     then the others."""
     found = []
-    for config in layouts(work.world_size, work.config, _splits_sequences(work)):
+    for config in layouts(work.world_size, work.config, *_model_traits(work)):
         candidate = Candidate(config)
         found.append(candidate)
         candidate.refused = _unsplittable(work, config)
@@ -87,8 +97,9 @@ def search(work: Workload, device: DeviceModel, memory_per_device: int) -> list[
                       if all(v == 0 for d, v in topology.coordinate(r).items() if d != "pp")]
             readers = CommGroup.RDP_GROUP if loaded.prescaled_batch else CommGroup.DP_GROUP
             candidate.rows_per_step = work.batch_size * topology.reading_rank(0, readers)[1]
-            # context parallelism is SMP v2's: its layouts run transform + shard
-            api = "v2" if topology.cp > 1 else work.api
+            # context and expert parallelism are SMP v2's: their layouts run transform +
+            # shard
+            api = "v2" if topology.cp > 1 or topology.ep > 1 else work.api
             candidate.plan = plan_job(replace(work, config=config, api=api), firsts)
             candidate.estimate = estimate_step(candidate.plan.ranks, device, topology.pp,
                                                config.get("microbatches", 1))
@@ -102,13 +113,16 @@ def search(work: Workload, device: DeviceModel, memory_per_device: int) -> list[
     return sorted(found, key=lambda c: (c.refused is not None, c.seconds_per_row))
 
 
-def _splits_sequences(work: Workload) -> bool:
-    """Whether context parallelism knows the model (built on fake tensors to see it),
-    as ``transform`` finds it. Whether this one's settings allow it (attention
-    implementation, sliding window, dropout) its layouts' plans say."""
+def _model_traits(work: Workload) -> tuple[bool, tuple[int, ...]]:
+    """Whether context parallelism knows the model, and the number of experts of each
+    experts module expert parallelism knows (the model built on fake tensors to see
+    them, as ``transform`` finds them). Whether this one's settings allow them
+    (attention implementation, sliding window, dropout, router loss) its layouts' plans
+    say."""
     with fake_tensors():
         model = work.build()
-    return find_causal_lm(model) is not None
+    counts = tuple(expert_count(m) or 0 for _, m in find_experts(model))
+    return find_causal_lm(model) is not None, counts
 
 
 def _unsplittable(work: Workload, config: dict[str, Any]) -> str | None:

@@ -33,6 +33,13 @@ def rank_table(plan: JobPlan) -> str:
         rows.append(f"(on gloo the peak is {mib(min(early))}..{mib(max(early))} MiB when its "
                     "collectives' working copies are freed as their calls return; the table "
                     "gives the peak when they are freed late)")
+    routed = [r for r in plan.ranks if r.routing]
+    if routed:
+        balanced = [r.peak_bytes_balanced_routing for r in routed]
+        rows.append(f"(experts split over expert-parallel ranks: the peak assumes the worst "
+                    f"routing, every token of the group choosing the rank's experts; with a "
+                    f"balanced router it is {mib(min(balanced))}..{mib(max(balanced))} MiB, "
+                    f"and the collectives below are a balanced router's)")
     return "\n".join(rows)
 
 
@@ -61,6 +68,11 @@ def ranking(found: list[Candidate], device: DeviceModel) -> str:
         if best.config.get("context_parallel_degree", 1) > 1:
             why += ("; context parallelism is SMP v2's: tsm.transform, then shard, each rank "
                     "given its chunks of every sequence (mp.split_for_context_parallel)")
+        if best.config.get("expert_parallel_degree", 1) > 1:
+            why += ("; expert parallelism is SMP v2's: tsm.transform(model, config=MoEConfig("
+                    "smp_moe=False, moe_load_balancing='none')), then shard; its peak assumes "
+                    f"the worst routing ({mib(_balanced_peak(best))} MiB with a balanced "
+                    "router)")
         if len(fitting) > 1:
             second = fitting[1]
             why += (f"; next: {_degrees(second.config)} at "
@@ -73,12 +85,19 @@ def ranking(found: list[Candidate], device: DeviceModel) -> str:
     return "\n".join(rows)
 
 
+def _balanced_peak(candidate: Candidate) -> int:
+    assert candidate.plan is not None
+    return max(r.peak_bytes_balanced_routing for r in candidate.plan.ranks)
+
+
 def _degrees(config: dict) -> str:
     parts = [f"pp {config.get('pipeline_parallel_degree', 1)}",
              f"tp {config.get('tensor_parallel_degree', 1)}",
              f"hybrid_shard {config.get('hybrid_shard_degree', 0)}"]
     if config.get("context_parallel_degree", 1) > 1:
         parts.append(f"cp {config['context_parallel_degree']}")
+    if config.get("expert_parallel_degree", 1) > 1:
+        parts.append(f"ep {config['expert_parallel_degree']}")
     if config.get("pipeline_parallel_degree", 1) > 1:
         parts.append(f"mb {config.get('microbatches', 1)}")
     return ", ".join(parts)

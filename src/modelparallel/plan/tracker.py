@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from modelparallel.plan.fake_world import building_mesh
+from modelparallel.plan.fake_world import GROUPED_MM, building_mesh
 
 GLOO_THREADS = 2  # ProcessGroupGloo's worker threads per group (torch's default)
 # c10d operation -> (argument holding the tensors, working copies of their bytes)
@@ -44,9 +44,20 @@ GLOO_WORKSPACE = {
 }
 
 
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, out_val: torch.Tensor,
+                      **kwargs: Any) -> int:
+    """A grouped matmul's multiply-adds x 2: each group's rows times its matrix. Two 2-D
+    operands (a weight's gradient) contract their jagged dim, split into the groups."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
 # torch's FLOP formulas, with its CPU flash attention counted as its GPU one (the same
-# arithmetic; torch's table lacks the CPU kernels, which the planner runs on)
+# arithmetic; torch's table lacks the CPU kernels, which the planner runs on) and the
+# grouped matmul of mixture-of-experts layers (which it lacks)
 _FLOPS = {
+    GROUPED_MM: _grouped_mm_flops,
     **flop_registry,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
         flop_registry[torch.ops.aten._scaled_dot_product_flash_attention],

@@ -59,7 +59,7 @@ class TrainingScript:
         elif work.api == "v2":
             if work.config.get("pipeline_parallel_degree", 1) > 1:
                 raise PlanError("--api v2 (transform + shard) has no pipeline: use --api v1")
-            model = mp.transform(model)
+            model = mp.transform(model, config=_moe_config(work.config))
             if work.activation_checkpointing:
                 _checkpoint_blocks(model)
             self.model = mp.shard(model)
@@ -98,6 +98,16 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
         storage = getattr(t, "_local_tensor", t).untyped_storage()
         storages[id(storage)] = storage
     return sum(s.nbytes() for s in storages.values())
+
+
+def _moe_config(config: dict[str, Any]) -> Any:
+    """With expert parallelism, the ``MoEConfig`` SMP v2's scripts give ``transform``:
+    the model's own router and experts, split (the one built); None otherwise."""
+    if config.get("expert_parallel_degree", 1) == 1:
+        return None
+    from modelparallel.smp.v2.moe import MoEConfig
+
+    return MoEConfig(smp_moe=False, moe_load_balancing="none")
 
 
 def _optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:

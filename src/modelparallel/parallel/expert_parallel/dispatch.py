@@ -11,6 +11,7 @@ sentinel) is skipped, as the model skips it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,23 +40,40 @@ class Received:
     local_expert: torch.Tensor  # (rows,), in [0, experts held here)
 
 
+CountsReader = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[list[int], list[int]]]
+
+
+def read_counts(top_k_index: torch.Tensor, send: torch.Tensor,
+                receive: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The rows this rank sends to each rank of the group and receives from each, read
+    from the exchanged counts (``top_k_index``, the choices they were counted from, is
+    for a reader that has no values to read: a simulation answering from shapes)."""
+    return send.tolist(), receive.tolist()
+
+
 def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-             experts: ExpertRange, group: dist.ProcessGroup) -> tuple[Received, Routing]:
+             experts: ExpertRange, group: dist.ProcessGroup,
+             counts: CountsReader = read_counts) -> tuple[Received, Routing]:
     """Send each (token, k) choice of ``hidden`` (tokens x hidden) to the rank holding its
-    expert; return what this rank received and the routing to :func:`combine` with."""
+    expert; return what this rank received and the routing to :func:`combine` with.
+    Every shape but the exchanged rows' follows from the input's; those come from
+    ``counts``."""
     top_k = top_k_index.shape[-1]
     choice = top_k_index.reshape(-1)
-    keep = choice < experts.total  # the sentinel "no expert" is not sent
     token = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
     weight = top_k_weights.reshape(-1)
-    choice, token, weight = choice[keep], token[keep], weight[keep]
-    order = torch.argsort(choice, stable=True)  # by expert, so by owning rank
+    # by expert, so by owning rank; the sentinel "no expert" (E) sorts last, owned by no
+    # rank (ep), and is not sent
+    order = torch.argsort(choice, stable=True)
     choice, token, weight = choice[order], token[order], weight[order]
     owner = torch.div(choice, experts.count, rounding_mode="floor")
     ep = dist.get_world_size(group)
-    send_counts = torch.bincount(owner, minlength=ep)
+    per_owner = torch.zeros(ep + 1, dtype=owner.dtype, device=owner.device)
+    send_counts = per_owner.index_add_(0, owner, torch.ones_like(owner))[:ep]
     receive_counts = exchange_counts(send_counts, group)
-    send, receive = send_counts.tolist(), receive_counts.tolist()
+    send, receive = counts(top_k_index, send_counts, receive_counts)
+    kept = sum(send)
+    choice, token, weight, owner = choice[:kept], token[:kept], weight[:kept], owner[:kept]
     rows = all_to_all(hidden[token], send, receive, group)
     local = all_to_all((choice - owner * experts.count)[:, None], send, receive, group)
     routing = Routing(tokens=hidden.shape[0], token_of=token, weight_of=weight,

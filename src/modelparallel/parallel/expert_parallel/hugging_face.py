@@ -55,12 +55,17 @@ class ExpertParallelExperts:
     def __init__(self, experts: ExpertRange, group: dist.ProcessGroup) -> None:
         self.experts = experts
         self.group = group
+        # how the rows each rank sends and receives are known: read from the exchanged
+        # counts; replaceable by a simulation without values (the planner's routing
+        # assumption, docs/planner.md)
+        self.counts: dispatch.CountsReader = dispatch.read_counts
         # routings of forwards in flight (a recomputation nests inside its backward)
         self._pending: list[tuple[dispatch.Routing, torch.Tensor]] = []
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden, index, weights = _bind(args, kwargs)
-        received, routing = dispatch.dispatch(hidden, index, weights, self.experts, self.group)
+        received, routing = dispatch.dispatch(hidden, index, weights, self.experts, self.group,
+                                              self.counts)
         self._pending.append((routing, hidden))
         # weight 1 here: the router's weights are applied where the token lives (combine)
         ones = torch.ones(received.hidden.shape[0], 1, dtype=weights.dtype,
