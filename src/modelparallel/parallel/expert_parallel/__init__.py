@@ -37,7 +37,8 @@ def apply(model: nn.Module, ctx: ParallelContext, load_balancing: str = "none") 
     from modelparallel.parallel.expert_parallel import hugging_face
 
     _refuse_router_loss(model)
-    return hugging_face.install(model, ctx.ep_group, ctx.topology.ep_rank(ctx.rank))
+    return hugging_face.install(model, ctx.ep_group, ctx.topology.ep_rank(ctx.rank),
+                                ctx.meshes["experts"])
 
 
 def _refuse_router_loss(model: nn.Module) -> None:
