@@ -226,8 +226,9 @@ def build_mesh(topology: Topology, device_type: str):
     dp_shard), ``dp`` (rdp x tp), ``mp`` (pp x tp), each dim name and, with context
     parallelism, ``cp`` to a 1-D mesh; with expert parallelism ``ep`` (a 1-D mesh) and
     ``expert_dp``, the mesh an expert's copies are sharded on: ``expert_dp_shard`` alone,
-    or ``(expert_dp_replicate, expert_dp_shard)``, and ``expert_replicas``, those ranks as
-    a 1-D mesh.
+    or ``(expert_dp_replicate, expert_dp_shard)``, ``expert_replicas``, those ranks as
+    a 1-D mesh, and ``experts``, the 3-D mesh ``(ep_index, expert_dp_replicate,
+    expert_dp_shard)`` the experts' DTensors live on.
     """
     import torch
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -247,6 +248,7 @@ def build_mesh(topology: Topology, device_type: str):
         held = torch.tensor(topology.expert_data_parallel_groups())
         names = ("ep_index", "expert_dp_replicate", "expert_dp_shard")
         experts = DeviceMesh(device_type, held, mesh_dim_names=names)
+        meshes["experts"] = experts
         meshes["expert_dp"] = experts[names[2]] if held.shape[1] == 1 else experts[names[1:]]
         meshes["expert_replicas"] = DeviceMesh(
             device_type, held.flatten(1), mesh_dim_names=("ep_index", "expert_replicas"),

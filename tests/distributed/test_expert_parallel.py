@@ -1,13 +1,17 @@
-"""Expert parallelism against one process: a tiny Hugging Face Mixtral (4 experts, top-2)
-transformed with ``tsm.transform(model, config=MoEConfig(smp_moe=False,
-moe_load_balancing="none"))`` at ``expert_parallel_degree`` 2 and sharded with
-``mp.shard``, each rank training its own rows of every batch.
+"""Expert parallelism against one process: tiny Hugging Face mixture-of-experts models
+(4 experts, top-2: Mixtral; Qwen2-MoE with its shared expert and gate, a dense layer and
+unnormalized top-k weights; Qwen3-MoE with a dense first layer) transformed with
+``tsm.transform(model, config=MoEConfig(smp_moe=False, moe_load_balancing="none"))`` at
+``expert_parallel_degree`` 2 or 4 and sharded with ``mp.shard``, each rank training its
+own rows of every batch.
 
 Each case compares the loss of every step (the ranks' mean), every parameter and every
-optimizer state at the end with one process training the whole batch: the experts a
-rank holds are gathered over its expert-parallel group. The model is built and trained
-in float64, so that round-off cannot flip a router's top-k choice between the runs. The
-optimizer is SGD with momentum: a wrong gradient shows in every parameter.
+optimizer state at the end with one process training the whole batch, read as full
+state dicts (each expert weight whole, ``(experts, ...)``, on every rank). The models
+are built and trained in float64, so that round-off cannot flip a router's top-k choice
+between the runs. The optimizer is SGD with momentum and weight decay: a wrong gradient
+shows in every parameter, and a step skipped or taken where one process does the other
+shows too.
 """
 
 from __future__ import annotations
@@ -20,20 +24,46 @@ from torch import nn
 
 STEPS, ROWS, SEQ, VOCAB = 3, 4, 16, 128
 LR = 0.5
-EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
+IDLE = 3  # the expert the idle-expert cases' routers never choose
 
 
-def build() -> nn.Module:
+def build(family: str = "mixtral", idle: bool = False) -> nn.Module:
+    """A tiny model of ``family`` in float64; with ``idle``, its routers never choose
+    expert ``IDLE`` (no token reaches it on any rank)."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=SEQ, use_cache=False,
-        tie_word_embeddings=False, attn_implementation="eager", sliding_window=None,
-        experts_implementation="eager")  # grouped_mm has no float64 kernel
-    return transformers.MixtralForCausalLM(config).to(torch.float64)
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+                  max_position_embeddings=SEQ, use_cache=False, tie_word_embeddings=False,
+                  attn_implementation="eager",
+                  experts_implementation="eager")  # grouped_mm has no float64 kernel
+    if family == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            intermediate_size=128, num_local_experts=4, sliding_window=None, **common))
+    elif family == "qwen2_moe":  # layer 1 dense; top-k weights not renormalized
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_experts=4, norm_topk_prob=False,
+            decoder_sparse_step=1, mlp_only_layers=[1], **common))
+    else:  # qwen3_moe: layer 0 dense (every second layer sparse)
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+            norm_topk_prob=True, decoder_sparse_step=2, head_dim=16, **common))
+    if idle:
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts"):
+                layer.mlp.gate.register_forward_hook(_never_idle_expert)
+    return model.to(torch.float64)
+
+
+def _never_idle_expert(router: nn.Module, args: tuple, output: tuple) -> tuple:
+    """The router's choice made again with expert ``IDLE``'s logit at -inf (Mixtral's
+    router: softmax in float32, top-k, renormalized)."""
+    logits = output[0].clone()
+    logits[:, IDLE] = float("-inf")
+    top, index = torch.topk(torch.softmax(logits.float(), dim=-1), router.top_k, dim=-1)
+    return output[0], top / top.sum(dim=-1, keepdim=True), index
 
 
 def batches() -> list[torch.Tensor]:
@@ -42,44 +72,35 @@ def batches() -> list[torch.Tensor]:
 
 
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.01)
 
 
 @functools.cache
-def reference() -> tuple[list[float], dict, dict]:
-    model = build()
+def reference(family: str = "mixtral", idle: bool = False
+              ) -> tuple[list[float], dict, dict, float, list[float]]:
+    """One process's losses, parameters and momentum buffers, the largest gradient any
+    step gave expert ``IDLE``, and each step's gradient norm."""
+    model = build(family, idle)
     opt = optimizer(model)
-    losses = []
+    losses, idle_grad, norms = [], 0.0, []
     for ids in batches():
         opt.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        idle_grad = max([idle_grad] + [float(p.grad[IDLE].abs().max())
+                                       for n, p in model.named_parameters()
+                                       if ".experts." in n and p.grad is not None])
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         opt.step()
         losses.append(float(loss.detach()))
     names = {p: n for n, p in model.named_parameters()}
     states = {f"{names[p]}.{k}": v.clone() for p, s in opt.state.items()
               for k, v in s.items()}
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, states
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, params, states, idle_grad, norms
 
 
-def whole_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` with every expert weight (and its state) gathered over the
-    expert-parallel group: each rank holds a range of the experts along dim 0."""
-    import torch.distributed as dist
-
-    import modelparallel as tsm
-
-    group = tsm.state.ep_process_group
-    out = dict(tensors)
-    for name, t in tensors.items():
-        if any(w in name for w in EXPERT_WEIGHTS):
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            out[name] = torch.cat(parts)
-    return out
-
-
-def ep_case(config: dict) -> list[str]:
+def ep_case(config: dict, family: str = "mixtral", idle: bool = False) -> list[str]:
     """This rank's run; what differs from :func:`reference` (empty when nothing does)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
@@ -95,40 +116,68 @@ def ep_case(config: dict) -> list[str]:
     tsm.reset()
     tsm.init(config)
     moe = MoEConfig(smp_moe=False, moe_load_balancing="none")
-    model = tsm.transform(build(), config=moe)
+    model = tsm.transform(build(family, idle), config=moe)
     model = tsm.shard(model, blocks=(type(model.model.layers[0]),))
     opt = optimizer(model)
     index, count = replica_rank_and_size()
     rows = ROWS // count
-    losses = []
+    losses, norms = [], []
     for ids in batches():
         ids = ids[index * rows:(index + 1) * rows]
         opt.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        # SMP's clip_grad_norm_: the norm over every expert of every rank
+        norms.append(float(tsm.clip_grad_norm_(model.parameters(), 1e9)))
         opt.step()
         value = loss.detach().double()
         dist.all_reduce(value)
         losses.append(float(value) / dist.get_world_size())
-    ref_losses, ref_params, ref_states = reference()
-    problems = parity_problems(TrainResult(losses, whole_experts(full_parameters(model))),
+    ref_losses, ref_params, ref_states, _, ref_norms = reference(family, idle)
+    problems = parity_problems(TrainResult(losses, full_parameters(model)),
                                TrainResult(ref_losses, ref_params))
+    problems += [f"step {i}: gradient norm {a} vs {b}"
+                 for i, (a, b) in enumerate(zip(norms, ref_norms, strict=True))
+                 if not abs(a - b) <= 1e-12 * b]
     saved = get_optimizer_state_dict(model, opt,
                                      options=StateDictOptions(full_state_dict=True))["state"]
     states = {f"{name}.{k}": v for name, s in saved.items() for k, v in s.items()}
-    problems += parity_problems(TrainResult([], whole_experts(states)),
-                                TrainResult([], ref_states))
+    problems += parity_problems(TrainResult([], states), TrainResult([], ref_states))
     return problems
 
 
 def test_expert_parallel_trains_as_one_process(workers):
     # 2 ranks: ep 2 (each expert on one rank); 4 ranks: ep 2 x 2 data-parallel copies of
     # each expert, replicated (hybrid_shard_degree 2) or sharded (0) over them
-    cases = [(2, {"expert_parallel_degree": 2}),
-             (4, {"expert_parallel_degree": 2, "hybrid_shard_degree": 2}),
-             (4, {"expert_parallel_degree": 2})]
-    for world, config in cases:
-        for rank, problems in enumerate(workers(world).run(ep_case, config=config)):
+    cases = [(2, {"expert_parallel_degree": 2}, "mixtral"),
+             (4, {"expert_parallel_degree": 2, "hybrid_shard_degree": 2}, "mixtral"),
+             (4, {"expert_parallel_degree": 2}, "mixtral")]
+    for world, config, family in cases:
+        for rank, problems in enumerate(workers(world).run(ep_case, config=config,
+                                                           family=family)):
+            assert problems == [], (family, config, rank)
+
+
+def test_qwen_moe_models_train_as_one_process(workers):
+    # Qwen2-MoE: shared expert and gate, a dense layer, unnormalized top-k weights, also
+    # at ep 4 (one expert per rank); Qwen3-MoE: a dense first layer
+    cases = [(2, {"expert_parallel_degree": 2}, "qwen2_moe"),
+             (4, {"expert_parallel_degree": 4}, "qwen2_moe"),
+             (2, {"expert_parallel_degree": 2}, "qwen3_moe")]
+    for world, config, family in cases:
+        for rank, problems in enumerate(workers(world).run(ep_case, config=config,
+                                                           family=family)):
+            assert problems == [], (family, config, rank)
+
+
+def test_an_expert_no_token_reaches_trains_as_one_process(workers):
+    # one process gives the idle expert a zero gradient (its fused weight is used), which
+    # weight decay and momentum step; at ep 4 its rank receives no row at all
+    assert reference("mixtral", idle=True)[3] == 0.0
+    for world, config in [(2, {"expert_parallel_degree": 2}),
+                          (4, {"expert_parallel_degree": 4})]:
+        for rank, problems in enumerate(workers(world).run(ep_case, config=config,
+                                                           idle=True)):
             assert problems == [], (config, rank)
 
 
@@ -171,7 +220,12 @@ def refusals_case() -> dict[str, str]:
             setattr(experts, name, nn.Parameter(getattr(experts, name)[:3].detach()))
     got["uneven experts"] = message(lambda: tsm.transform(odd, config=plain))
     held = tsm.transform(build(), config=plain).model.layers[0].mlp.experts
-    got["held"] = f"{held.num_experts} {tuple(held.gate_up_proj.shape)}"
+    weight = held._parameters["gate_up_proj"]  # a DTensor of all 4 experts
+    first = 2 * tsm.state.ep_rank
+    same = torch.equal(weight.to_local(),
+                       build().model.layers[0].mlp.experts.gate_up_proj[first:first + 2])
+    got["held"] = (f"{held.num_experts} {tuple(weight.shape)} "
+                   f"{tuple(weight.to_local().shape)} {same}")
     return got
 
 
@@ -198,7 +252,7 @@ def _captured_notices():
 def test_state_and_misuse_are_refused_in_one_message(workers):
     for rank, got in enumerate(workers(2).run(refusals_case)):
         assert got["state"] == f"{rank} 2 2 2"
-        assert got["held"] == "2 (2, 256, 64)"  # experts [2r, 2r + 2) of 4
+        assert got["held"] == "2 (4, 256, 64) (2, 256, 64) True"  # experts [2r, 2r + 2)
         assert "the model given to mp.shard() was not split over the expert-parallel " \
                "ranks: call tsm.transform(model, config=MoEConfig(smp_moe=False, " \
                "moe_load_balancing='none')) first" in got["shard untransformed"]

@@ -50,7 +50,8 @@ def synchronize(model: nn.Module, ctx: ParallelContext) -> None:
     tensor-parallel ranks); the experts expert parallelism split over the ranks holding
     the same experts. Collective over the data-parallel group."""
     experts = {id(p): p for p in expert_parallel.expert_parameters(model)}
-    split = [t for t in [*model.parameters(), *model.buffers()] if isinstance(t, DTensor)]
+    split = [t for t in [*model.parameters(), *model.buffers()]
+             if isinstance(t, DTensor) and id(t) not in experts]
     whole = [t for t in [*model.parameters(), *model.buffers()]
              if not isinstance(t, DTensor) and id(t) not in experts]
     broadcast_from_first(_unique(whole), ctx.process_group(CommGroup.DP_GROUP))

@@ -46,7 +46,8 @@ def apply(model: nn.Module, ctx: ParallelContext, load_balancing: str = "none",
         return model
     from modelparallel.parallel.expert_parallel import hugging_face
 
-    return hugging_face.install(model, ctx.ep_group, ctx.topology.ep_rank(ctx.rank))
+    return hugging_face.install(model, ctx.ep_group, ctx.topology.ep_rank(ctx.rank),
+                                ctx.meshes["experts"])
 
 
 def _turn_on_router_loss(model: nn.Module, coefficient: float | None) -> None:

@@ -5,8 +5,10 @@ Such a model keeps each layer's experts in one module with fused 3-D weights,
 ``gate_up_proj`` (experts, 2 x intermediate, hidden) and ``down_proj`` (experts, hidden,
 intermediate), called as ``experts(hidden, top_k_index, top_k_weights)`` after the
 layer's router chose ``top_k`` experts per token. Here each rank keeps its range of the
-experts (the weights sliced along the first dim, under their own names) and the module
-is called on what the ranks sent it: hooks around its forward dispatch the tokens before
+experts, as a DTensor of the whole weight sharded along the experts dim over the
+expert-parallel ranks (so that state dicts and checkpoints hold every expert at its
+global index, whatever the layout), the module reads its local part in forward, and
+it is called on what the ranks sent it: hooks around its forward dispatch the tokens before
 it and combine its results after it (``dispatch.py``), so the module's own computation
 (and the ``experts_implementation`` the model chose) runs on this rank's experts. The
 router, a shared expert and everything else are the model's own, unchanged.
@@ -17,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from modelparallel.errors import ConfigError
 from modelparallel.module_state import lookup, state_of
@@ -60,21 +64,40 @@ class ExpertParallelExperts:
         # assumption, docs/planner.md)
         self.counts: dispatch.CountsReader = dispatch.read_counts
         # routings of forwards in flight (a recomputation nests inside its backward)
-        self._pending: list[tuple[dispatch.Routing, torch.Tensor]] = []
+        self._pending: list[tuple[dispatch.Routing, torch.Tensor, dict[str, torch.Tensor]]] = []
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden, index, weights = _bind(args, kwargs)
         received, routing = dispatch.dispatch(hidden, index, weights, self.experts, self.group,
                                               self.counts)
-        self._pending.append((routing, hidden))
+        self._pending.append((routing, hidden, _local_views(module)))
+        module.__dict__[_LOCAL_VIEWS] = self._pending[-1][2]
         # weight 1 here: the router's weights are applied where the token lives (combine)
         ones = torch.ones(received.hidden.shape[0], 1, dtype=weights.dtype,
                           device=weights.device)
         return (received.hidden, received.local_expert[:, None], ones), {}
 
     def after(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        routing, hidden = self._pending.pop()
+        routing, hidden, _ = self._pending.pop()
+        module.__dict__[_LOCAL_VIEWS] = self._pending[-1][2] if self._pending else None
+        rows = args[0]
+        if rows.shape[0] == 0 and rows.requires_grad and not output.requires_grad:
+            # no token came to this rank's experts: the module returned zeros outside the
+            # graph, but the backward's all-to-alls must run here as on the other ranks
+            output = output + rows
         return dispatch.combine(output, routing, self.group, like=hidden)
+
+
+def _local_views(module: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of each expert weight, as FSDP gathered it for this forward: one
+    differentiable view per forward, read by the module's forward (and by the hooks that
+    note which parameters a forward used, ``parallel/unused_grads.py``)."""
+    views: dict[str, torch.Tensor] = {}
+    for name in EXPERT_WEIGHTS:
+        weight = module._parameters[name]
+        assert weight is not None
+        views[name] = weight.to_local() if isinstance(weight, DTensor) else weight
+    return views
 
 
 def _bind(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,10 +110,38 @@ def _bind(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.
     return values["hidden_states"], values["top_k_index"], values["top_k_weights"]
 
 
-def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int) -> nn.Module:
+_LOCAL_READERS: dict[type, type] = {}
+_LOCAL_VIEWS = "_expert_parallel_views"  # instance attribute: the forward's local weights
+
+
+def _reading_local_experts(cls: type) -> type:
+    """A subclass of ``cls`` whose expert weights read as this rank's part (the
+    DTensor's local tensor, differentiable) inside the module's own forward (between the
+    hooks of :class:`ExpertParallelExperts`); elsewhere (state dicts, optimizers, FSDP)
+    they are the DTensors of the whole weights."""
+    if cls not in _LOCAL_READERS:
+        def __getattr__(self: nn.Module, name: str):
+            views = self.__dict__.get(_LOCAL_VIEWS)
+            if views is not None and name in views:
+                return views[name]
+            return nn.Module.__getattr__(self, name)
+
+        name = f"ExpertParallel{cls.__name__}"
+        _LOCAL_READERS[cls] = type(name, (cls,), {"__getattr__": __getattr__,
+                                                  "__module__": cls.__module__})
+    return _LOCAL_READERS[cls]
+
+
+def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int,
+            mesh: DeviceMesh) -> nn.Module:
     """Keep this rank's experts in every experts module of ``model`` and route their
-    tokens over ``group`` (this rank is ``ep_rank`` of it). Raises ConfigError for a model
-    with no experts module or experts that do not split evenly."""
+    tokens over ``group`` (this rank is ``ep_rank`` of it). ``mesh`` is the experts' mesh
+    (``ep_index`` = ``group``, then the ranks holding the same experts): the weights
+    become DTensors of their whole shape on it, sharded along dim 0 over ``ep_index``.
+    Raises ConfigError for a model with no experts module or experts that do not split
+    evenly."""
+    if lookup(model, "expert_parallel") is not None:
+        return model  # transformed already
     found = find_experts(model)
     if not found:
         raise ConfigError([("expert_parallel_degree", (
@@ -98,8 +149,6 @@ def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int) -> nn.Modu
             f"module expert parallelism knows (fused 3-D gate_up_proj and down_proj, one "
             f"per expert, as Mixtral's, Qwen2-MoE's and Qwen3-MoE's in transformers 5); "
             f"set expert_parallel_degree to 1"))])
-    if lookup(model, "expert_parallel") is not None:
-        return model  # transformed already
     size = dist.get_world_size(group)
     for name, module in found:
         total = expert_count(module)
@@ -108,10 +157,14 @@ def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int) -> nn.Modu
         for weight in EXPERT_WEIGHTS:
             whole = getattr(module, weight)
             held = whole.detach()[experts.first:experts.first + experts.count].clone()
-            setattr(module, weight, nn.Parameter(held, requires_grad=whole.requires_grad))
+            spread = DTensor.from_local(held, mesh, (Shard(0), Replicate(), Replicate()),
+                                        run_check=False, shape=whole.shape,
+                                        stride=whole.stride())
+            setattr(module, weight, nn.Parameter(spread, requires_grad=whole.requires_grad))
         # what the module's own forward indexes (setattr: mypy types module attributes
         # as tensors or modules)
         setattr(module, "num_experts", experts.count)  # noqa: B010
+        module.__class__ = _reading_local_experts(type(module))
         share = ExpertParallelExperts(experts, group)
         module.register_forward_pre_hook(share.before, with_kwargs=True)
         module.register_forward_hook(share.after)

@@ -3,9 +3,13 @@ data-parallel rank.
 
 Under expert parallelism the ranks of an expert-parallel group hold different experts,
 so an experts module cannot join the FSDP unit of its layer (whose reduce-scatter runs
-over every data-parallel rank): each is a unit of its own on
-``ctx.expert_data_parallel_mesh()`` (``data-parallel size / ep`` ranks, sharded within a
-``dp_shard`` group and replicated over the rest, as torchtitan's ``dp_shard_mod_ep``).
+over every data-parallel rank): each is a unit of its own, sharded over the ranks that
+hold the same experts (``data-parallel size / ep`` ranks, sharded within a ``dp_shard``
+group and replicated over the rest, as torchtitan's ``dp_shard_mod_ep``). Its weights
+are DTensors on the experts' mesh (``ep_index`` x those ranks, ``hugging_face.py``), so
+FSDP is given that whole mesh and told which of its dims are data-parallel
+(``DataParallelMeshDims``): the sharded parameters, their gradients and the optimizer's
+state are then DTensors of the whole ``(experts, ...)`` weights.
 
 The gradient: each rank's loss is the mean over its own samples, so one process's
 gradient of an expert is the sum of every rank's contribution divided by the
@@ -24,7 +28,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    DataParallelMeshDims,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 
 from modelparallel.context import ParallelContext
 from modelparallel.errors import ConfigError
@@ -48,9 +57,10 @@ def shard_experts(model: nn.Module, ctx: ParallelContext, mp_policy: MixedPrecis
     # the layer's unit has cast the inputs already; the router's weights keep their dtype
     policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     divide = divide_by(ctx.topology.ep)
+    held_by = DataParallelMeshDims(shard="expert_dp_shard", replicate="expert_dp_replicate")
     for module in modules:
-        sharded = fully_shard(module, mesh=ctx.expert_data_parallel_mesh(), mp_policy=policy,
-                              **fully_shard_kwargs)
+        sharded = fully_shard(module, mesh=ctx.meshes["experts"], dp_mesh_dims=held_by,
+                              mp_policy=policy, **fully_shard_kwargs)
         assert isinstance(sharded, FSDPModule)
         sharded.set_all_reduce_hook(divide)
 
