@@ -64,10 +64,10 @@ def main() -> None:
         dist.all_reduce(batch_loss)
         losses.append(float(batch_loss) / dist.get_world_size())
         if mp.rank() == 0 and len(losses) % args.log_every == 0:
-            held = model.model.layers[0].mlp.experts.gate_up_proj  # (a DTensor: its shape)
             print(f"step {len(losses):3d} | loss {losses[-1]:.3f} | load balance "
-                  f"{out.aux_loss.item():.3f} | this rank holds {held.shape[0]} of "
-                  f"{args.experts} experts a layer", flush=True)
+                  f"{out.aux_loss.item():.3f} | this rank holds "
+                  f"{args.experts // mp.state.ep_size} of {args.experts} experts a layer",
+                  flush=True)
         if len(losses) == args.steps:
             break
     if mp.rank() == 0:
