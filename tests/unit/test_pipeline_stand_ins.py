@@ -43,3 +43,18 @@ def test_reading_a_stand_ins_values_is_refused_naming_it():
         assert "the model reads the values of 'head.weight'" in str(err.value)
         assert "which pipeline stage 1 (on pipeline rank 1) holds" in str(err.value)
         assert "model.local_parameters()" in str(err.value)
+
+
+def test_rearranging_a_stand_in_gives_a_stand_in_and_computing_with_it_is_refused():
+    """Criterion: views, reshapes and copies (what state-dict hooks do to what they save,
+    e.g. tensor parallelism's fused QKV) give stand-ins of the new shape, named as the
+    original; arithmetic on them raises AbsentValueError."""
+    w = linear_held_elsewhere().weight.detach()
+    shapes = {"reshape": (w.reshape(12), (12,)), "view": (w.view(2, 2, 3), (2, 2, 3)),
+              "transpose": (w.t(), (3, 4)), "select": (w[1], (3,)),
+              "split": (w.split(2)[1], (2, 3)), "clone": (w.t().contiguous(), (3, 4))}
+    for name, (got, shape) in shapes.items():
+        assert is_meta(got), name
+        assert (tuple(got.shape), got.dtype, str(got.device)) == (shape, w.dtype, "cpu"), name
+        with pytest.raises(AbsentValueError, match="the values of 'head.weight'"):
+            got * 2

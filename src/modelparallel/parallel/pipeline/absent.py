@@ -33,6 +33,10 @@ _aten = torch.ops.aten
 _SHAPED_LIKE = {_aten.empty_like, _aten.zeros_like, _aten.ones_like, _aten.full_like}
 _DTYPE_AND_DEVICE_OF = {_aten.new_empty, _aten.new_zeros, _aten.new_ones, _aten.new_full,
                         _aten.new_empty_strided}
+# operations that only rearrange or copy a tensor (besides views, ``OpOverload.is_view``):
+# their result stands in for the same absent values (state-dict hooks reshape what they
+# save, e.g. tensor parallelism's fused QKV); computing with it is what refuses
+_REARRANGING = {_aten._unsafe_view, _aten.clone}
 
 
 class AbsentValueError(RuntimeError):
@@ -88,6 +92,8 @@ class AbsentTensor(torch.Tensor):
             return func(*pytree.tree_map(real, args), **pytree.tree_map(real, kwargs))
         absent = next(t for t in pytree.tree_leaves((args, kwargs))
                       if isinstance(t, AbsentTensor))
+        if func.is_view or packet in _REARRANGING:
+            return _rearranged(func, args, kwargs, absent)
         raise AbsentValueError(value_read_message(absent.absent_name, absent.holder,
                                                   packet.__name__))
 
@@ -105,6 +111,20 @@ class AbsentTensor(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return (f"AbsentTensor({self.absent_name!r}, shape={tuple(self.shape)}, "
                 f"dtype={self.dtype}, held by pipeline stage {self.holder.stage})")
+
+
+def _rearranged(func, args: tuple, kwargs: dict, absent: AbsentTensor) -> object:
+    """``func`` (a view, reshape or copy) of stand-ins: stand-ins of the result's shapes,
+    found on meta tensors."""
+    def meta(t: object) -> object:
+        if not isinstance(t, AbsentTensor):
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    out = func(*pytree.tree_map(meta, args), **pytree.tree_map(meta, kwargs))
+    return pytree.tree_map(
+        lambda m: AbsentTensor(m.shape, m.dtype, absent.device, False, absent.absent_name,
+                               absent.holder) if isinstance(m, torch.Tensor) else m, out)
 
 
 def value_read_message(name: str, holder: Holder, operation: str) -> str:
