@@ -56,5 +56,6 @@ def test_rearranging_a_stand_in_gives_a_stand_in_and_computing_with_it_is_refuse
     for name, (got, shape) in shapes.items():
         assert is_meta(got), name
         assert (tuple(got.shape), got.dtype, str(got.device)) == (shape, w.dtype, "cpu"), name
-        with pytest.raises(AbsentValueError, match="the values of 'head.weight'"):
+        with pytest.raises(AbsentValueError) as err:
             got * 2
+        assert "the values of 'head.weight'" in str(err.value), name

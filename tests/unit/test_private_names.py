@@ -147,6 +147,8 @@ ATTRIBUTES = {
     "_local_scalar_dense": Private("torch.ops.aten", "the planner answers .item()"),
     "_to_copy": Private("torch.ops.aten", "pipeline stand-ins: a cast or move of another "
                         "stage's tensor (.to(), model.half()) is a stand-in again"),
+    "_unsafe_view": Private("torch.ops.aten", "pipeline stand-ins: what reshape of another "
+                            "stage's tensor dispatches to is a stand-in again"),
     "_scaled_dot_product_flash_attention": Private("torch.ops.aten", "planner: attention"),
     "_scaled_dot_product_flash_attention_backward": Private("torch.ops.aten", "the same"),
     "_scaled_dot_product_flash_attention_for_cpu": Private("torch.ops.aten", "the same"),
