@@ -121,17 +121,24 @@ class KeyedDropout(nn.Module):
         if not self.training or p == 0 or x.is_meta:  # (meta: a pipeline's shape inference)
             return x
         numbers = self._numbers(x)
-        shape, first = list(x.shape[1:]), 0
-        if self.heads is not None and self.heads != shape[0]:
-            shape[0], first = self.heads, _tp_rank() * x.shape[1]
-        positions = self.samples.positions
-        if self.heads is None and positions is not None:  # (B, S, ...): the whole sequence's
-            shape[0] = self.samples.length
-        keep = torch.stack([_uniform(self.index, int(n), shape) >= p for n in numbers.tolist()])
-        if self.heads is None and positions is not None:
-            keep = keep[:, positions]
-        keep = keep[:, first:first + x.shape[1]]
+        rest, positions = list(x.shape[2:]), self.samples.positions
+        if self.heads is not None:  # (B, heads, ...): a tensor-parallel rank holds some
+            keep = self.masks(numbers, [self.heads, *rest], p, local_heads=x.shape[1])
+        elif positions is not None:  # (B, S, ...): a context-parallel rank's positions
+            keep = self.masks(numbers, [self.samples.length, *rest], p)[:, positions]
+        else:
+            keep = self.masks(numbers, list(x.shape[1:]), p)
         return x * keep.to(device=x.device, dtype=x.dtype) * (1.0 / (1.0 - p))
+
+    def masks(self, numbers: torch.Tensor, shape: list[int], p: float,
+              local_heads: int | None = None) -> torch.Tensor:
+        """Each sample's keep-mask of the whole tensor's ``shape`` (one process's); with
+        ``local_heads``, cut to this tensor-parallel rank's heads (the first dim)."""
+        keep = torch.stack([_uniform(self.index, int(n), shape) >= p for n in numbers.tolist()])
+        if local_heads is not None and local_heads != shape[0]:
+            first = _tp_rank() * local_heads
+            keep = keep[:, first:first + local_heads]
+        return keep
 
     def _numbers(self, x: torch.Tensor) -> torch.Tensor:
         key = (self.index, hashlib.blake2b(
@@ -216,11 +223,10 @@ def _keyed_ring_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     dropped: KeyedDropout = module.keyed_weights_dropout  # type: ignore[assignment]
     if dropout and module.training:
         numbers = dropped._numbers(query)  # found again by the bytes when recomputed
-        heads, length = query.shape[1], split.cp_size * query.shape[2]
-        first = _tp_rank() * heads if dropped.heads != heads else 0
-        whole = torch.stack([_uniform(dropped.index, int(n), [dropped.heads, length, length])
-                             >= dropout for n in numbers.tolist()])[:, first:first + heads]
-        whole = whole.to(query.device)
+        length = split.cp_size * query.shape[2]
+        assert dropped.heads is not None  # attention weights' dropout: keyed by heads
+        whole = dropped.masks(numbers, [dropped.heads, length, length], dropout,
+                              local_heads=query.shape[1]).to(query.device)
 
         def masks(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
             return whole[:, :, rows][..., cols]
