@@ -212,6 +212,10 @@ def refusals_case() -> dict[str, str]:
         got["z-loss"] = message(lambda: tsm.transform(
             build(), config=MoEConfig(smp_moe=False, moe_load_balancing="aux_loss")))
     got["z-loss notices"] = notices
+    with _captured_notices() as notices:  # SMP's own MoE layer's options
+        tsm.transform(build(), config=MoEConfig(smp_moe=False, moe_load_balancing="none",
+                                                random_seed=7, use_cpu_initialization=True))
+    got["unused options"] = notices
     odd = build()
     for layer in odd.model.layers:
         experts = layer.mlp.experts
@@ -266,6 +270,12 @@ def test_state_and_misuse_are_refused_in_one_message(workers):
             "moe_load_balancing='sinkhorn' is not built yet (it depends on the set of tokens "
             "each rank routes); use moe_load_balancing='aux_loss'")
         assert got["z-loss"] == "no error"
+        assert got["unused options"] == ([
+            "MoEConfig(random_seed=7) has no effect: the model's own router and experts "
+            "(smp_moe=False) draw from torch's generator (seed it with torch.manual_seed)",
+            "MoEConfig(use_cpu_initialization=True) has no effect: with smp_moe=False the "
+            "experts are the model's own, built where the script builds the model"]
+            if rank == 0 else [])
         assert got["z-loss notices"] == ([
             "MoEConfig(moe_z_loss_coeff=0.001) has no effect: the model's own router "
             "(smp_moe=False) has no z-loss (Hugging Face's Mixtral and Qwen MoE models add "

@@ -38,7 +38,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
             f"config=None or a MoEConfig")
     if isinstance(config, MoEConfig) and (why := config.refusal()) is not None:
         raise NotImplementedError(why)
-    if isinstance(config, MoEConfig) and (ignored := config.ignored()) is not None:
+    for ignored in config.ignored() if isinstance(config, MoEConfig) else []:
         notice("%s", ignored)
     if cp_comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type={cp_comm_type!r}; SMP accepts 'p2p' or 'all_gather'")

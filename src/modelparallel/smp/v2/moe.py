@@ -21,9 +21,10 @@ class MoEConfig:
     experts, split over ``expert_parallel_degree`` ranks) with the all-to-all dispatcher
     and ``moe_load_balancing`` ``"none"`` (the model as configured) or ``"aux_loss"`` (the
     model's own load-balancing loss turned on, weighted by ``moe_aux_loss_coeff``); the
-    other choices are refused as not built yet. ``random_seed`` has no effect, nor has
-    ``moe_z_loss_coeff`` (the model's router has no z-loss: one notice says so with
-    ``"aux_loss"``), nor ``moe_aux_loss_coeff`` with ``"none"`` (docs/expert-parallel.md)."""
+    other choices are refused as not built yet. ``random_seed``,
+    ``use_cpu_initialization`` and ``moe_z_loss_coeff`` (with ``"aux_loss"``) have no
+    effect, one notice each when set; ``moe_aux_loss_coeff`` none with ``"none"``
+    (docs/expert-parallel.md)."""
 
     smp_moe: bool = True
     random_seed: int = 12345
@@ -47,13 +48,24 @@ class MoEConfig:
                     "all-to-all)")
         return None
 
-    def ignored(self) -> str | None:
-        """What a built configuration asks for that has no effect (a notice), or None."""
+    def ignored(self) -> list[str]:
+        """What a built configuration asks for that has no effect (one notice each)."""
+        notices = []
         if self.moe_load_balancing == "aux_loss" and self.moe_z_loss_coeff:
-            return (f"MoEConfig(moe_z_loss_coeff={self.moe_z_loss_coeff}) has no effect: the "
-                    f"model's own router (smp_moe=False) has no z-loss (Hugging Face's "
-                    f"Mixtral and Qwen MoE models add none; SMP's is its own MoE layer's)")
-        return None
+            notices.append(
+                f"MoEConfig(moe_z_loss_coeff={self.moe_z_loss_coeff}) has no effect: the "
+                f"model's own router (smp_moe=False) has no z-loss (Hugging Face's "
+                f"Mixtral and Qwen MoE models add none; SMP's is its own MoE layer's)")
+        if self.random_seed != MoEConfig.random_seed:
+            notices.append(
+                f"MoEConfig(random_seed={self.random_seed}) has no effect: the model's own "
+                f"router and experts (smp_moe=False) draw from torch's generator (seed it "
+                f"with torch.manual_seed)")
+        if self.use_cpu_initialization:
+            notices.append(
+                "MoEConfig(use_cpu_initialization=True) has no effect: with smp_moe=False "
+                "the experts are the model's own, built where the script builds the model")
+        return notices
 
 
 class MoELayer(nn.Module):
