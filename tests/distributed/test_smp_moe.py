@@ -112,6 +112,42 @@ def test_auxiliary_losses_join_the_gradients_only():
     assert extra.item() > 0.1  # the losses weigh: a gradient without them differs
 
 
+def test_router_jitter_is_recomputed_the_same():
+    """Mixtral's router jitter, drawn from torch's generator in training: inside torch's
+    checkpoint_wrapper the recomputation draws the same noise (the same routing, the
+    auxiliary gradients once), so gradients equal the run without checkpointing."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+    )
+
+    ids = batches()[0]
+    grads, losses = [], []
+    for checkpointed in (False, True):
+        model = smp_model("mixtral", "aux_loss")
+        for layer in model.modules():
+            if hasattr(layer, "jitter_noise"):
+                layer.jitter_noise = 0.1
+        if checkpointed:
+            decoder = type(model.model.layers[0])
+            apply_activation_checkpointing(
+                model, check_fn=lambda m, decoder=decoder: isinstance(m, decoder))
+            assert all(isinstance(m, CheckpointWrapper) for m in model.model.layers)
+        torch.manual_seed(5)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad for p in model.parameters()])
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    again = smp_model("mixtral", "aux_loss")
+    for layer in again.modules():
+        if hasattr(layer, "jitter_noise"):
+            layer.jitter_noise = 0.1
+    torch.manual_seed(6)  # other draws give another loss: the noise is used
+    assert not torch.equal(again(input_ids=ids, labels=ids).loss.detach(), losses[0])
+
+
 def test_sinkhorn_balances_tokens_and_experts():
     from modelparallel.parallel.expert_parallel.smp_router import RouterSettings, route
 
@@ -160,10 +196,11 @@ def reference(family: str, mode: str, pieces: int) -> tuple[list[float], dict, d
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, states
 
 
-def parallel_case(config: dict, family: str, mode: str, checkpointed: bool = False
-                  ) -> tuple[list[str], list[float]]:
-    """This rank's run: what differs from one process, and the largest differences
-    (losses relative, parameters, momentum)."""
+def parallel_case(config: dict, family: str, mode: str, checkpointed: bool = False,
+                  fsdp1: bool = False) -> tuple[list[str], list[float]]:
+    """This rank's run (``mp.shard``, or torch's FSDP1 as SMP v2 scripts wrap a model):
+    what differs from one process, and the largest differences (losses relative,
+    parameters, momentum)."""
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
@@ -190,7 +227,12 @@ def parallel_case(config: dict, family: str, mode: str, checkpointed: bool = Fal
     layer = type(model.model.layers[0])
     if checkpointed:  # as the v2 shared scripts: checkpoint_wrapper on each decoder layer
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer))
-    model = tsm.shard(model, blocks=(layer,))
+    if fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, use_orig_params=True)
+    else:
+        model = tsm.shard(model, blocks=(layer,))
     opt = optimizer(model)
     index, count = replica_rank_and_size()
     rows = slice(index * ROWS // count, (index + 1) * ROWS // count)
@@ -204,8 +246,9 @@ def parallel_case(config: dict, family: str, mode: str, checkpointed: bool = Fal
         dist.all_reduce(value)
         losses.append(float(value) / dist.get_world_size())
     full = StateDictOptions(full_state_dict=True)
-    params = get_model_state_dict(model, options=full)
-    states = {f"{name}.{k}": v for name, s in
+    params = {n.removeprefix("_fsdp_wrapped_module."): v
+              for n, v in get_model_state_dict(model, options=full).items()}
+    states = {f"{name.removeprefix('_fsdp_wrapped_module.')}.{k}": v for name, s in
               get_optimizer_state_dict(model, opt, options=full)["state"].items()
               for k, v in s.items()}
     # sinkhorn: one process runs each rank's rows on their own
@@ -222,18 +265,19 @@ def parallel_case(config: dict, family: str, mode: str, checkpointed: bool = Fal
 def test_smp_moe_trains_as_one_process(workers):
     ep2, hybrid = {"expert_parallel_degree": 2}, {"expert_parallel_degree": 2,
                                                   "hybrid_shard_degree": 2}
-    cases = [(2, ep2, "mixtral", "none", False),
-             (2, ep2, "mixtral", "aux_loss", False),
-             (2, ep2, "qwen2_moe", "aux_loss", False),
-             (2, ep2, "mixtral", "sinkhorn", False),
-             (4, hybrid, "mixtral", "none", False),
-             (4, hybrid, "mixtral", "aux_loss", False),
-             (4, hybrid, "mixtral", "aux_loss", True)]
-    for world, config, family, mode, checkpointed in cases:
+    cases = [(2, ep2, "mixtral", "none", False, False),
+             (2, ep2, "mixtral", "aux_loss", False, False),
+             (2, ep2, "qwen2_moe", "aux_loss", False, False),
+             (2, ep2, "mixtral", "sinkhorn", False, False),
+             (2, {}, "mixtral", "aux_loss", True, True),  # plain data parallelism, FSDP1
+             (4, hybrid, "mixtral", "none", False, False),
+             (4, hybrid, "mixtral", "aux_loss", False, False),
+             (4, hybrid, "mixtral", "aux_loss", True, False)]
+    for world, config, family, mode, checkpointed, fsdp1 in cases:
         for rank, (problems, figures) in enumerate(workers(world).run(
                 parallel_case, config=config, family=family, mode=mode,
-                checkpointed=checkpointed)):
-            print(config, family, mode, checkpointed, rank,
+                checkpointed=checkpointed, fsdp1=fsdp1)):
+            print(config, family, mode, checkpointed, fsdp1, rank,
                   "loss rel, params, momentum:", figures)
             assert problems == [], (config, family, mode, checkpointed, rank, problems)
 
