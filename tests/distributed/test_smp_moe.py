@@ -61,7 +61,7 @@ def settings(mode: str):
     from modelparallel.parallel.expert_parallel.smp_router import RouterSettings
 
     return RouterSettings(mode, AUX if mode == "aux_loss" else 0.0,
-                          Z if mode in ("aux_loss", "sinkhorn") else 0.0)
+                          0.0 if mode == "none" else Z)
 
 
 def smp_model(family: str, mode: str) -> nn.Module:
@@ -251,9 +251,9 @@ def parallel_case(config: dict, family: str, mode: str, checkpointed: bool = Fal
     states = {f"{name.removeprefix('_fsdp_wrapped_module.')}.{k}": v for name, s in
               get_optimizer_state_dict(model, opt, options=full)["state"].items()
               for k, v in s.items()}
-    # sinkhorn: one process runs each rank's rows on their own
-    ref_losses, ref_params, ref_states = reference(family, mode,
-                                                   count if mode == "sinkhorn" else 1)
+    # sinkhorn, balanced: one process runs each rank's rows on their own
+    per_rank = mode in ("sinkhorn", "balanced")
+    ref_losses, ref_params, ref_states = reference(family, mode, count if per_rank else 1)
     problems = parity_problems(TrainResult(losses, params), TrainResult(ref_losses, ref_params))
     problems += parity_problems(TrainResult([], states), TrainResult([], ref_states))
     figures = [max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -269,6 +269,7 @@ def test_smp_moe_trains_as_one_process(workers):
              (2, ep2, "mixtral", "aux_loss", False, False),
              (2, ep2, "qwen2_moe", "aux_loss", False, False),
              (2, ep2, "mixtral", "sinkhorn", False, False),
+             (2, ep2, "mixtral", "balanced", False, False),
              (2, {}, "mixtral", "aux_loss", True, True),  # plain data parallelism, FSDP1
              (4, hybrid, "mixtral", "none", False, False),
              (4, hybrid, "mixtral", "aux_loss", False, False),
@@ -282,11 +283,41 @@ def test_smp_moe_trains_as_one_process(workers):
             assert problems == [], (config, family, mode, checkpointed, rank, problems)
 
 
-def test_sinkhorn_depends_on_the_tokens_routed_together():
-    """The per-rank semantics is not one process's on the whole batch (else the sinkhorn
-    case above could not tell them apart)."""
-    apart, together = reference("mixtral", "sinkhorn", 2)[0], reference("mixtral", "sinkhorn", 1)[0]
-    assert max(abs(a - b) / b for a, b in zip(apart, together, strict=True)) > 1e-4
+def test_balanced_gives_every_expert_the_same_slots():
+    from modelparallel.parallel.expert_parallel.smp_router import (
+        RouterSettings,
+        balanced_choice,
+        route,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    for tokens, top_k, skew in ((32, 2, 3.0), (30, 3, 6.0), (7, 2, 0.0)):
+        logits = torch.randn(tokens, EXPERTS, generator=g, dtype=torch.float64)
+        logits[:, 0] += skew  # expert 0 favoured: its top-k share is above its capacity
+        weights, index = route(logits, top_k, RouterSettings("balanced", 0.0, 0.0), True, None)
+        counts = torch.bincount(index.reshape(-1), minlength=EXPERTS).tolist()
+        share, extra = divmod(tokens * top_k, EXPERTS)
+        assert counts == [share + (e < extra) for e in range(EXPERTS)], counts
+        assert all(len(set(row)) == top_k for row in index.tolist())  # distinct experts
+        chosen = logits.gather(1, index)
+        assert torch.equal(weights, torch.softmax(chosen, dim=-1))
+        if skew:
+            assert not torch.equal(index, torch.topk(logits, top_k).indices)
+    # a top-k that is balanced already is the greedy choice itself
+    favourite = torch.eye(EXPERTS, dtype=torch.float64).repeat(8, 1) * 3
+    favourite += torch.eye(EXPERTS, dtype=torch.float64).roll(1, 1).repeat(8, 1)
+    probs = torch.softmax(favourite, dim=-1)
+    assert torch.equal(balanced_choice(probs, 2), torch.topk(probs, 2).indices)
+    _, index = route(logits, 2, RouterSettings("balanced", 0.0, 0.0), False, None)
+    assert torch.equal(index, torch.topk(logits, 2).indices)  # evaluation: the top-k
+
+
+def test_per_rank_modes_depend_on_the_tokens_routed_together():
+    """Sinkhorn's and balanced's per-rank semantics is not one process's on the whole
+    batch (else the parallel cases could not tell them apart)."""
+    for mode in ("sinkhorn", "balanced"):
+        apart, together = reference("mixtral", mode, 2)[0], reference("mixtral", mode, 1)[0]
+        assert max(abs(a - b) / b for a, b in zip(apart, together, strict=True)) > 1e-4, mode
 
 
 def uneven_losses_case() -> list[float]:
@@ -342,9 +373,8 @@ def misuse_case() -> dict[str, object]:
     tsm.reset()
     tsm.init({"expert_parallel_degree": 2})
     got: dict[str, object] = {}
-    for mode in ("balanced", "bogus"):
-        got[mode] = message(lambda mode=mode: tsm.transform(
-            build(), config=MoEConfig(moe_load_balancing=mode)))
+    got["bogus"] = message(lambda: tsm.transform(
+        build(), config=MoEConfig(moe_load_balancing="bogus")))
     got["shuffle"] = message(lambda: tsm.transform(
         build(), config=MoEConfig(global_token_shuffle=True)))
     got["no block"] = message(lambda: tsm.transform(GPT(GPTConfig(
@@ -367,12 +397,8 @@ def misuse_case() -> dict[str, object]:
 
 def test_misuse_is_refused_in_one_message(workers):
     for rank, got in enumerate(workers(2).run(misuse_case)):
-        assert got["balanced"].startswith(
-            "NotImplementedError: MoEConfig(smp_moe=True, moe_load_balancing='balanced') is "
-            "not built yet; use 'sinkhorn'"), got["balanced"]
         assert got["bogus"] == ("ValueError: moe_load_balancing='bogus'; SMP's MoE layer "
-                                "accepts 'none', 'aux_loss', 'sinkhorn' ('balanced' is not "
-                                "built yet)")
+                                "accepts 'none', 'aux_loss', 'sinkhorn', 'balanced'")
         assert got["shuffle"].startswith("NotImplementedError: MoEConfig(global_token_"
                                          "shuffle=True) is not built yet")
         assert "  - smp_moe: True, but GPT has no sparse MoE block SMP's MoE layer " \

@@ -39,7 +39,8 @@ def apply(model: nn.Module, ctx: ParallelContext, load_balancing: str = "none",
         raise NotImplementedError(
             f"moe_load_balancing={load_balancing!r} is not built yet (it depends on the set "
             f"of tokens each rank routes); use moe_load_balancing='aux_loss' (the model's own "
-            f"load-balancing loss, over the whole batch) or 'none' (the model as configured)")
+            f"load-balancing loss, over the whole batch) or 'none' (the model as configured), "
+            f"or MoEConfig(smp_moe=True) (SMP's own MoE layer, which builds it)")
     if load_balancing == "aux_loss":
         _turn_on_router_loss(model, aux_loss_coeff)
     balance_over_batch(model, ctx)

@@ -130,6 +130,5 @@ def install(model: nn.Module, settings: RouterSettings,
     samples). ValueError for a ``moe_load_balancing`` SMP does not know."""
     if settings.load_balancing not in SMP_LOAD_BALANCING:
         raise ValueError(f"moe_load_balancing={settings.load_balancing!r}; SMP's MoE layer "
-                         f"accepts {', '.join(map(repr, SMP_LOAD_BALANCING))} "
-                         f"('balanced' is not built yet)")
+                         f"accepts {', '.join(map(repr, SMP_LOAD_BALANCING))}")
     return replace_sparse_blocks(model, settings, group)

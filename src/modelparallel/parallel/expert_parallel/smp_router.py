@@ -8,6 +8,9 @@ routes; and the router's auxiliary losses.
   gradient), weighted by the router's activation at the chosen experts: the softmax
   over every expert (the sigmoid for top-1), not renormalised. In evaluation the top-k
   of that activation.
+- ``"balanced"`` (training): each expert receives the same number of this rank's
+  (token, k) slots (:func:`balanced_choice`), weighted as ``"none"``; in evaluation
+  ``"none"``'s choice.
 - ``"aux_loss"`` adds Switch Transformer's load-balancing loss, ``E * coeff / (T * T *
   k) * sum_e P_e * N_e`` (``P_e`` the summed router probability of expert ``e``, ``N_e``
   its (token, k) choices, ``T`` the tokens); a ``z_loss_coeff`` above 0 adds the router
@@ -28,7 +31,7 @@ import torch.distributed as dist
 
 from modelparallel.parallel.expert_parallel.router_loss import _AllReduceSum
 
-SMP_LOAD_BALANCING = ("none", "aux_loss", "sinkhorn")  # built for smp_moe=True
+SMP_LOAD_BALANCING = ("none", "aux_loss", "sinkhorn", "balanced")  # built for smp_moe=True
 SINKHORN_TOLERANCE = 1e-4  # Megatron's: mean change of the expert scaling per iteration
 
 
@@ -114,6 +117,47 @@ def sinkhorn(logits: torch.Tensor, tolerance: float = SINKHORN_TOLERANCE) -> tor
         return cost * per_expert * per_token[:, None]
 
 
+def expert_capacities(tokens: int, top_k: int, experts: int) -> list[int]:
+    """The (token, k) slots each expert receives under ``"balanced"``: ``tokens x top_k``
+    split evenly, the first experts one more when it does not divide."""
+    share, extra = divmod(tokens * top_k, experts)
+    return [share + (1 if e < extra else 0) for e in range(experts)]
+
+
+def balanced_choice(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``top_k`` distinct experts per token (tokens, k) such that every expert receives its
+    :func:`expert_capacities` of the slots: the (token, expert) pairs taken greedily in
+    order of decreasing ``scores`` (router probabilities) while the token needs one and
+    the expert has room; a token left short (the only experts with room are its own) gets
+    one by an exchange: another token moves from an expert the short one lacks to one
+    with room, the exchange that loses the least score. Deterministic (no gradient)."""
+    tokens, experts = scores.shape
+    room = expert_capacities(tokens, top_k, experts)
+    chosen: list[list[int]] = [[] for _ in range(tokens)]
+    order = torch.argsort(scores.reshape(-1), descending=True, stable=True).tolist()
+    left = tokens * top_k
+    for pair in order:
+        token, expert = divmod(pair, experts)
+        if room[expert] and len(chosen[token]) < top_k:
+            chosen[token].append(expert)
+            room[expert] -= 1
+            left -= 1
+            if not left:
+                break
+    value = scores.tolist()
+    for short in (t for t in range(tokens) for _ in range(top_k - len(chosen[t]))):
+        free = next(e for e in range(experts) if room[e])  # the short token holds it
+        # (other token, expert it gives up) maximising the score after the exchange
+        other, given = max(((u, f) for u in range(tokens) if free not in chosen[u]
+                            for f in chosen[u] if f not in chosen[short]),
+                           key=lambda p: value[p[0]][free] - value[p[0]][p[1]]
+                           + value[short][p[1]])
+        chosen[other][chosen[other].index(given)] = free
+        chosen[short].append(given)
+        room[free] -= 1
+    return torch.tensor(chosen, dtype=torch.long, device=scores.device)
+
+
 def route(logits: torch.Tensor, top_k: int, settings: RouterSettings, training: bool,
           group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts each token of ``logits`` (tokens, experts) goes to, (tokens, k), and
@@ -129,7 +173,12 @@ def route(logits: torch.Tensor, top_k: int, settings: RouterSettings, training: 
             return torch.gather(activation, 1, index), index
         weights, index = torch.topk(activation, top_k, dim=-1)
         return weights, index
-    chosen, index = torch.topk(logits, top_k, dim=-1)
+    if training and settings.load_balancing == "balanced":
+        with torch.no_grad():
+            index = balanced_choice(torch.softmax(logits.float(), dim=-1), top_k)
+        chosen = torch.gather(logits, 1, index)
+    else:
+        chosen, index = torch.topk(logits, top_k, dim=-1)
     weights = torch.softmax(chosen, dim=-1, dtype=_precision(logits)).to(logits.dtype)
     if training and settings.load_balancing == "aux_loss":
         aux = load_balancing_loss(logits, index, settings.aux_loss_coeff, group)

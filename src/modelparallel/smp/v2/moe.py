@@ -21,17 +21,19 @@ class MoEConfig:
     - ``smp_moe=True`` (SMP's default): each sparse MoE block becomes SMP's
       :class:`MoELayer` (the block's own router weight and experts), routing per
       ``moe_load_balancing`` ``"none"``, ``"aux_loss"`` (Switch's load-balancing loss,
-      weighted by ``moe_aux_loss_coeff``, over the whole batch) or ``"sinkhorn"`` (each
-      rank's own tokens); ``moe_z_loss_coeff`` > 0 adds the router z-loss (whole batch).
+      weighted by ``moe_aux_loss_coeff``, over the whole batch), ``"sinkhorn"`` (each
+      rank's own tokens) or ``"balanced"`` (each expert the same number of each rank's
+      token slots); ``moe_z_loss_coeff`` > 0 adds the router z-loss (whole batch).
     - ``smp_moe=False``: the model's own router and experts, ``moe_load_balancing``
       ``"none"`` (the model as configured) or ``"aux_loss"`` (the model's own
       load-balancing loss turned on, weighted by ``moe_aux_loss_coeff``).
 
-    ``"balanced"``, ``global_token_shuffle`` and ``moe_all_to_all_dispatcher=False`` are
-    refused as not built yet. ``random_seed``, ``use_cpu_initialization``,
-    ``moe_z_loss_coeff`` with ``smp_moe=False`` and ``moe_aux_loss_coeff`` with
-    ``"sinkhorn"`` have no effect, one notice each when set; ``moe_aux_loss_coeff`` none
-    with ``"none"`` (docs/expert-parallel.md)."""
+    ``global_token_shuffle``, ``moe_all_to_all_dispatcher=False`` and, with
+    ``smp_moe=False``, ``"sinkhorn"`` and ``"balanced"`` are refused as not built yet.
+    ``random_seed``, ``use_cpu_initialization``, ``moe_z_loss_coeff`` with
+    ``smp_moe=False`` and ``moe_aux_loss_coeff`` with ``"sinkhorn"`` have no effect, one
+    notice each when set; ``moe_aux_loss_coeff`` none with ``"none"`` and ``"balanced"``
+    (docs/expert-parallel.md)."""
 
     smp_moe: bool = True
     random_seed: int = 12345
@@ -44,10 +46,6 @@ class MoEConfig:
 
     def refusal(self) -> str | None:
         """Why this configuration cannot be built yet (None when it can)."""
-        if self.smp_moe and self.moe_load_balancing == "balanced":
-            return ("MoEConfig(smp_moe=True, moe_load_balancing='balanced') is not built yet; "
-                    "use 'sinkhorn' (balanced by Sinkhorn normalisation over each rank's "
-                    "tokens), 'aux_loss' or 'none'")
         if self.global_token_shuffle:
             return ("MoEConfig(global_token_shuffle=True) is not built yet; pass "
                     "global_token_shuffle=False (each rank routes its own tokens)")
