@@ -223,7 +223,7 @@ def parallel_case(config: dict, family: str, mode: str, checkpointed: bool = Fal
     model = tsm.transform(build(family), config=MoEConfig(
         smp_moe=True, moe_load_balancing=mode, moe_aux_loss_coeff=knobs.aux_loss_coeff,
         moe_z_loss_coeff=knobs.z_loss_coeff))
-    assert sum(isinstance(m, MoELayer) for m in model.modules()) == 2
+    assert sum(isinstance(m, MoELayer) for m in model.modules()) == 2  # each layer's
     layer = type(model.model.layers[0])
     if checkpointed:  # as the v2 shared scripts: checkpoint_wrapper on each decoder layer
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer))
@@ -273,7 +273,8 @@ def test_smp_moe_trains_as_one_process(workers):
              (2, {}, "mixtral", "aux_loss", True, True),  # plain data parallelism, FSDP1
              (4, hybrid, "mixtral", "none", False, False),
              (4, hybrid, "mixtral", "aux_loss", False, False),
-             (4, hybrid, "mixtral", "aux_loss", True, False)]
+             (4, hybrid, "mixtral", "aux_loss", True, False),
+             (4, {"expert_parallel_degree": 4}, "qwen3_moe", "aux_loss", False, False)]
     for world, config, family, mode, checkpointed, fsdp1 in cases:
         for rank, (problems, figures) in enumerate(workers(world).run(
                 parallel_case, config=config, family=family, mode=mode,
