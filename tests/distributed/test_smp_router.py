@@ -172,3 +172,23 @@ def uneven_losses_case() -> list[float]:
 def test_auxiliary_losses_span_uneven_ranks(workers):
     for figures in workers(2).run(uneven_losses_case):
         assert max(figures) < 1e-15, figures
+
+
+def test_routers_it_cannot_read_are_refused():
+    """A router with parameters besides its weight is not replaced (its routing is the
+    model's own); one that does not return the logits first is refused in one message."""
+    import pytest
+
+    from modelparallel.parallel.expert_parallel.smp_layer import MoELayer, is_sparse_block
+
+    model = build()
+    block = model.model.layers[0].mlp
+    assert is_sparse_block(block)
+    block.gate.bias = torch.nn.Parameter(torch.zeros(EXPERTS, dtype=torch.float64))
+    assert not is_sparse_block(block)
+    del block.gate.bias
+    layer = MoELayer(block)
+    layer.gate.forward = lambda hidden: (torch.topk(hidden, TOP_K).indices,)
+    with pytest.raises(TypeError, match=r"MixtralTopKRouter does not return the router's "
+                                        r"logits \(tokens, experts\) first"):
+        layer(torch.zeros(1, 3, 64, dtype=torch.float64))

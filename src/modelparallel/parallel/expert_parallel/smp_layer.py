@@ -35,15 +35,17 @@ def _module(block: nn.Module, name: str) -> nn.Module | None:
 
 def is_sparse_block(module: nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face sparse MoE block :class:`MoELayer` replaces:
-    a ``gate`` whose weight is (experts, hidden) and whose ``top_k`` is a number, a fused
-    ``experts`` module of the same number of experts, and at most a shared expert and
-    its gate besides."""
+    a ``gate`` whose only parameter is an (experts, hidden) weight (a linear router:
+    biases and score corrections are the model's own routing) and whose ``top_k`` is a
+    number, a fused ``experts`` module of the same number of experts, and at most a
+    shared expert and its gate besides."""
     gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
     weight = getattr(gate, "weight", None)
     return (isinstance(gate, nn.Module) and isinstance(experts, nn.Module)
             and is_experts_module(experts) and isinstance(weight, nn.Parameter)
             and weight.dim() == 2 and weight.shape[0] == getattr(experts, "num_experts", None)
             and isinstance(getattr(gate, "top_k", None), int)
+            and [name for name, _ in gate.named_parameters()] == ["weight"]  # a linear router
             and {name for name, _ in module.named_children()} <= _KEPT
             and not isinstance(module, MoELayer))
 
@@ -73,6 +75,7 @@ class MoELayer(nn.Module):
         self.shared_expert: nn.Module | None = _module(block, "shared_expert")
         self.shared_expert_gate: nn.Module | None = _module(block, "shared_expert_gate")
         self.top_k = int(getattr(self.gate, "top_k"))  # noqa: B009 (mypy types it a tensor)
+        self.num_experts = int(getattr(self.gate, "weight").shape[0])  # noqa: B009
         # Mixtral's router jitter: a noise multiplying the hidden states in training
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.settings = settings or RouterSettings()
@@ -89,6 +92,12 @@ class MoELayer(nn.Module):
         flat = hidden_states.reshape(-1, shape[-1])
         # the model's own router module: its logits are what output_router_logits records
         logits = self.gate(flat)[0]
+        if not (isinstance(logits, torch.Tensor) and logits.is_floating_point()
+                and logits.shape == (flat.shape[0], self.num_experts)):
+            raise TypeError(
+                f"{type(self.gate).__name__} does not return the router's logits (tokens, "
+                f"experts) first, as Mixtral's and Qwen's routers do; SMP's MoE layer "
+                f"(smp_moe=True) is not built for this model: pass MoEConfig(smp_moe=False)")
         weights, index = route(logits, self.top_k, self.settings, self.training, self.group)
         out = self.experts(flat, index, weights)
         if self.shared_expert is not None:
