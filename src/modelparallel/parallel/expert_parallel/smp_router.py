@@ -155,7 +155,7 @@ def balanced_choice(scores: torch.Tensor, top_k: int) -> torch.Tensor:
         chosen[other][chosen[other].index(given)] = free
         chosen[short].append(given)
         room[free] -= 1
-    return torch.tensor(chosen, dtype=torch.long, device=scores.device)
+    return torch.tensor(chosen, dtype=torch.long, device=scores.device).reshape(tokens, top_k)
 
 
 def route(logits: torch.Tensor, top_k: int, settings: RouterSettings, training: bool,
