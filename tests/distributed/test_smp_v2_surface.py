@@ -148,8 +148,8 @@ def test_load_state_dict_from_rank0_trains_rank0s_model(workers):
 def refusals_case():
     tsm.init({"tensor_parallel_degree": 2})
     got = {}
-    for config in (MoEConfig(), {"some_option": 1}):
-        with pytest.raises(NotImplementedError) as e:
+    for config, error in ((MoEConfig(), ConfigError), ({"some_option": 1}, NotImplementedError)):
+        with pytest.raises(error) as e:
             tsm.transform(GPT(CFG), config=config)
         got[type(config).__name__] = str(e.value)
     with pytest.raises(ValueError, match="cp_comm_type='ring'; SMP accepts 'p2p' or"):
@@ -176,8 +176,8 @@ def refusals_case():
 def test_smp_moe_and_bad_arguments_are_refused(workers):
     results = workers(4).run(refusals_case)
     for got in results:
-        assert got["MoEConfig"].startswith("SMP's own mixture-of-experts implementation "
-                                           "(smp_moe=True, MoELayer) is not built yet")
+        assert "smp_moe: True, but GPT has no sparse MoE block SMP's MoE layer replaces" \
+            in got["MoEConfig"]  # SMP's own MoE layer needs a mixture-of-experts model
         assert "SMP's transformer configuration options are not supported" in got["dict"]
     notices = [got["cp_comm_type notices"] for got in results]
     assert notices[0] == ["transform(cp_comm_type='all_gather') has no effect: "

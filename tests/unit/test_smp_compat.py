@@ -218,8 +218,8 @@ def test_v2_refusals_and_no_effect_calls(caplog):
     with pytest.raises(NotImplementedError, match=r"uses no Transformer Engine modules: its "
                        r"context parallelism is built into tsm.transform"):
         setup_transformer_engine_cp_groups(None, [0, 1])
-    with pytest.raises(NotImplementedError,
-                       match=r"mixture-of-experts implementation .* not built yet"):
+    with pytest.raises(TypeError, match=r"MoELayer is built from a Hugging Face sparse MoE "
+                                        r"block .* not from MoEConfig: call tsm.transform"):
         MoELayer(MoEConfig())
     with pytest.raises(TypeError, match="TransformerEngine's layer, which modelparallel does "
                                         "not use"):

@@ -21,9 +21,11 @@ from modelparallel.parallel import (
 from modelparallel.parallel import replicate as replicating
 from modelparallel.parallel.blocks import BlockSpec
 from modelparallel.parallel.context_parallel.ring import COMM_TYPES
+from modelparallel.parallel.expert_parallel import smp_layer
 from modelparallel.parallel.tensor import transform as splitting  # the module
 from modelparallel.smp.state import state
 from modelparallel.smp.v2.moe import MoEConfig
+from modelparallel.topology import CommGroup
 
 
 def transform(model: nn.Module, device: torch.device | str | None = None,
@@ -50,7 +52,11 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
                                 loss_parallel=loss_parallel, device=device, dtype=dtype,
                                 weights_from_rank0=load_state_dict_from_rank0)
     model = context_parallel.apply(model, ctx, cp_comm_type)
-    if isinstance(config, MoEConfig):
+    if isinstance(config, MoEConfig) and config.smp_moe:  # SMP's layer, then the split
+        model = smp_layer.install(model, config.router_settings(),
+                                  ctx.process_group(CommGroup.RDP_GROUP))
+        model = expert_parallel.apply(model, ctx)
+    elif isinstance(config, MoEConfig):
         model = expert_parallel.apply(model, ctx, config.moe_load_balancing,
                                       config.moe_aux_loss_coeff)
     stale_params.record_replaced(before, model, "mp.transform()")

@@ -6,7 +6,8 @@ all-to-all.
 all-to-all, ``dispatch.py`` sends each token's choices to their experts and combines the
 results, ``hugging_face.py`` finds a Hugging Face model's experts modules and splits
 them, ``sharding.py`` shards the experts with FSDP2 over the ranks that hold the same
-experts, ``router_loss.py`` computes a model's load-balancing loss over the whole batch
+experts, ``router_loss.py`` computes a model's load-balancing loss over the whole batch,
+``smp_layer.py`` and ``smp_router.py`` are SMP's own MoE layer (``smp_moe=True``)
 (docs/expert-parallel.md).
 """
 
@@ -38,7 +39,8 @@ def apply(model: nn.Module, ctx: ParallelContext, load_balancing: str = "none",
         raise NotImplementedError(
             f"moe_load_balancing={load_balancing!r} is not built yet (it depends on the set "
             f"of tokens each rank routes); use moe_load_balancing='aux_loss' (the model's own "
-            f"load-balancing loss, over the whole batch) or 'none' (the model as configured)")
+            f"load-balancing loss, over the whole batch) or 'none' (the model as configured), "
+            f"or MoEConfig(smp_moe=True) (SMP's own MoE layer, which builds it)")
     if load_balancing == "aux_loss":
         _turn_on_router_loss(model, aux_loss_coeff)
     balance_over_batch(model, ctx)
