@@ -21,11 +21,27 @@ import functools
 
 import pytest
 import torch
-from test_expert_parallel import ROWS, batches, build, optimizer
+from test_expert_parallel import ROWS, SEQ, VOCAB, batches, build, optimizer
 from torch import nn
 
 COEF = 0.5  # the load-balancing loss's weight when on (large, so that it weighs)
 EP_TP = {"expert_parallel_degree": 2, "tensor_parallel_degree": 2}
+
+
+def model_of(family: str) -> nn.Module:
+    """A tiny float64 model of ``family``: ``test_expert_parallel.build``'s, or OLMoE
+    (whose norms over all heads' queries and keys no tensor-parallel plan splits)."""
+    if family != "olmoe":
+        return build(family)
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=SEQ, use_cache=False, tie_word_embeddings=False,
+        eos_token_id=None, pad_token_id=None, attn_implementation="eager",
+        experts_implementation="eager")).to(torch.float64)
 
 
 def with_router_loss(model: nn.Module, on: bool) -> nn.Module:
@@ -42,7 +58,7 @@ def with_router_loss(model: nn.Module, on: bool) -> nn.Module:
 @functools.cache
 def reference(family: str, aux: bool) -> tuple[list[float], dict, dict, list[float]]:
     """One process's losses, parameters, momentum buffers and gradient norms."""
-    model = with_router_loss(build(family), aux)
+    model = with_router_loss(model_of(family), aux)
     opt = optimizer(model)
     losses, norms = [], []
     for ids in batches():
@@ -81,7 +97,7 @@ def ep_tp_case(config: dict, family: str, aux: bool) -> list[str]:
 
     tsm.reset()
     tsm.init(config)
-    model = tsm.transform(build(family), config=moe_config(aux))
+    model = tsm.transform(model_of(family), config=moe_config(aux))
     model = tsm.shard(model, blocks=(type(model.model.layers[0]),))
     opt = optimizer(model)
     index, count = replica_rank_and_size()  # (dp_rank, dp_size): each rank its own rows
@@ -124,7 +140,8 @@ def test_qwen_moe_models_with_tensor_parallelism_train_as_one_process(workers):
     # not; Qwen3-MoE's per-head norms are summed over them; tensor parallelism alone
     # splits a MoE model too (its experts whole on every rank)
     cases = [(EP_TP, "qwen2_moe", True), (EP_TP, "qwen3_moe", False),
-             ({"tensor_parallel_degree": 2}, "qwen2_moe", True)]
+             ({"tensor_parallel_degree": 2}, "qwen2_moe", True),
+             ({"tensor_parallel_degree": 2}, "olmoe", True)]
     for config, family, aux in cases:
         for rank, problems in enumerate(workers(4).run(ep_tp_case, config=config,
                                                        family=family, aux=aux)):
@@ -155,11 +172,14 @@ def test_a_checkpoint_saved_at_ep_tp_resumes_without_them_and_back(workers, tmp_
 
 
 def state_case() -> dict[str, object]:
-    """SMP v2's expert- and tensor-parallel state attributes on this rank, and which
-    experts it holds."""
+    """SMP v2's expert- and tensor-parallel state attributes on this rank, which experts
+    it holds, and the refusal of a model tensor parallelism does not split."""
+    import warnings
+
     import torch.distributed as dist
 
     import modelparallel as tsm
+    from modelparallel.config import ConfigError
 
     tsm.reset()
     tsm.init(EP_TP)
@@ -167,7 +187,14 @@ def state_case() -> dict[str, object]:
     held = model.model.layers[0].mlp.experts._parameters["gate_up_proj"]
     first = 2 * tsm.state.ep_rank
     whole = build().model.layers[0].mlp.experts.gate_up_proj
-    return {"ep": (tsm.state.ep_rank, tsm.state.ep_size,
+    try:
+        with warnings.catch_warnings():  # the warning that OLMoE is left unsplit
+            warnings.simplefilter("ignore")
+            tsm.transform(model_of("olmoe"), config=moe_config(False))
+        unsplit = "no error"
+    except ConfigError as e:
+        unsplit = str(e)
+    return {"unsplit": unsplit,"ep": (tsm.state.ep_rank, tsm.state.ep_size,
                    dist.get_process_group_ranks(tsm.state.ep_process_group)),
             "tp": (tsm.state.tp_rank, tsm.state.tp_size),
             "held": torch.equal(held.to_local(), whole[first:first + 2].detach()),
@@ -175,9 +202,13 @@ def state_case() -> dict[str, object]:
 
 
 def test_state_attributes_name_the_data_parallel_ranks_of_a_tensor_parallel_rank(workers):
+    # and a model whose tensor-parallel ranks would be replicas (no plan) is refused
     # tp is the innermost dim: tp groups {0, 1}, {2, 3}; the ep groups are the
     # data-parallel ranks with the same tp rank, and the experts' mesh holds only them
     for rank, got in enumerate(workers(4).run(state_case)):
+        assert "expert_parallel_degree: 2 with tensor_parallel_degree=2 needs a model " \
+               "tensor parallelism splits (Mixtral, Qwen2-MoE and Qwen3-MoE have plans); " \
+               "OlmoeForCausalLM has none" in got.pop("unsplit"), rank
         group = [rank % 2, rank % 2 + 2]
         assert got == {"ep": (rank // 2, 2, group), "tp": (rank % 2, 2), "held": True,
                        "mesh": group}, rank
