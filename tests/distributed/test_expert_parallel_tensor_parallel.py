@@ -83,8 +83,9 @@ def moe_config(aux: bool):
     return MoEConfig(smp_moe=False, moe_load_balancing="none")
 
 
-def ep_tp_case(config: dict, family: str, aux: bool) -> list[str]:
-    """This rank's run; what differs from :func:`reference` (empty when nothing does)."""
+def ep_tp_case(config: dict, family: str, aux: bool, wrapper: str = "shard") -> list[str]:
+    """This rank's run; what differs from :func:`reference` (empty when nothing does).
+    ``wrapper``: ``mp.shard``, ``mp.replicate`` or torch's FSDP1 (no expert parallelism)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -98,7 +99,14 @@ def ep_tp_case(config: dict, family: str, aux: bool) -> list[str]:
     tsm.reset()
     tsm.init(config)
     model = tsm.transform(model_of(family), config=moe_config(aux))
-    model = tsm.shard(model, blocks=(type(model.model.layers[0]),))
+    if wrapper == "shard":
+        model = tsm.shard(model, blocks=(type(model.model.layers[0]),))
+    elif wrapper == "replicate":
+        model = tsm.replicate(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, use_orig_params=True)
     opt = optimizer(model)
     index, count = replica_rank_and_size()  # (dp_rank, dp_size): each rank its own rows
     rows = ROWS // count
@@ -108,7 +116,7 @@ def ep_tp_case(config: dict, family: str, aux: bool) -> list[str]:
         opt.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        norms.append(float(tsm.clip_grad_norm_(model.parameters(), 1e9)))
+        norms.append(float(tsm.clip_grad_norm_(model, 1e9)))  # FSDP1 needs the model
         opt.step()
         value = loss.detach().double()
         dist.all_reduce(value)
@@ -138,14 +146,16 @@ def test_mixtral_at_ep_2_x_tp_2_trains_as_one_process(workers):
 def test_qwen_moe_models_with_tensor_parallelism_train_as_one_process(workers):
     # Qwen2-MoE's shared expert is split over the tensor-parallel ranks, its experts are
     # not; Qwen3-MoE's per-head norms are summed over them; tensor parallelism alone
-    # splits a MoE model too (its experts whole on every rank)
-    cases = [(EP_TP, "qwen2_moe", True), (EP_TP, "qwen3_moe", False),
-             ({"tensor_parallel_degree": 2}, "qwen2_moe", True),
-             ({"tensor_parallel_degree": 2}, "olmoe", True)]
-    for config, family, aux in cases:
+    # splits a MoE model too (its experts whole on every rank), under every wrapper
+    tp2 = {"tensor_parallel_degree": 2}
+    cases = [(EP_TP, "qwen2_moe", True, "shard"), (EP_TP, "qwen3_moe", False, "shard"),
+             (tp2, "qwen2_moe", True, "shard"), (tp2, "qwen2_moe", True, "replicate"),
+             (tp2, "mixtral", True, "fsdp1"), (tp2, "olmoe", True, "shard")]
+    for config, family, aux, wrapper in cases:
         for rank, problems in enumerate(workers(4).run(ep_tp_case, config=config,
-                                                       family=family, aux=aux)):
-            assert problems == [], (config, family, aux, rank)
+                                                       family=family, aux=aux,
+                                                       wrapper=wrapper)):
+            assert problems == [], (config, family, aux, wrapper, rank)
 
 
 @pytest.mark.extended  # about 40 s on 2 cores; the 4-rank test covers ep x tp
