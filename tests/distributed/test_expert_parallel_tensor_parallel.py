@@ -170,13 +170,51 @@ def test_expert_and_tensor_parallel_with_hybrid_sharding_on_8_ranks(workers):
             assert problems == [], (hybrid, rank)
 
 
-def test_a_checkpoint_saved_at_ep_tp_resumes_without_them_and_back(workers, tmp_path):
-    from test_expert_parallel_checkpoint import resume_case
+def resume_case(root: str, layouts: list[dict]) -> list[str]:
+    """``test_expert_parallel_checkpoint.py``'s Mixtral, one AdamW step per layout, each
+    resuming the previous step's DCP checkpoint (torch's ``get_state_dict``,
+    ``tsm.checkpoint.save`` / ``load``, ``set_state_dict``); what differs from one
+    process's three steps at the end (parameters and optimizer state)."""
+    import test_expert_parallel_checkpoint as saved_at
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    # AdamW, one step per layout: ep 2 x tp 2 -> neither (every parameter sharded over
-    # the 4 ranks) -> ep 2 x tp 2, through get_state_dict / DCP / set_state_dict
-    results = workers(4).run(resume_case, root=str(tmp_path), layouts=[EP_TP, {}, EP_TP],
-                             smp_modules=False)
+    import modelparallel as tsm
+    from modelparallel.data import replica_rank_and_size
+    from modelparallel.testing import TrainResult, full_parameters, parity_problems
+
+    for step, config in enumerate(layouts):
+        tsm.reset()
+        tsm.init(config)
+        model = saved_at.build()
+        if config:  # ep x tp: transformed; none: sharded as it is
+            model = tsm.transform(model, config=moe_config(False))
+        model = tsm.shard(model, blocks=(type(model.model.layers[0]),))
+        opt = saved_at.optimizer(model)
+        if step > 0:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            state = {"model": model_sd, "optimizer": optim_sd}
+            tsm.checkpoint.load(state, checkpoint_id=f"{root}/step{step - 1}")
+            set_state_dict(model, opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        index, count = replica_rank_and_size()
+        rows = saved_at.ROWS // count
+        ids = saved_at.batches()[step][index * rows:(index + 1) * rows]
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        tsm.checkpoint.save({"model": model_sd, "optimizer": optim_sd},
+                            checkpoint_id=f"{root}/step{step}")
+    ref_params, ref_states = saved_at.reference()
+    return parity_problems(TrainResult([], full_parameters(model)),
+                           TrainResult([], ref_params)) + \
+        parity_problems(TrainResult([], saved_at.flat_states(model, opt)),
+                        TrainResult([], ref_states))
+
+
+def test_a_checkpoint_saved_at_ep_tp_resumes_without_them_and_back(workers, tmp_path):
+    # ep 2 x tp 2 -> neither (every parameter sharded over the 4 ranks) -> ep 2 x tp 2
+    results = workers(4).run(resume_case, root=str(tmp_path), layouts=[EP_TP, {}, EP_TP])
     for rank, problems in enumerate(results):
         assert problems == [], rank
 
