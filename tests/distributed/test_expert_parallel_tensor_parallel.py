@@ -5,7 +5,10 @@ dense layer; Qwen3-MoE with a dense first layer and per-head norms) transformed 
 ``tsm.transform(model, config=MoEConfig(...))`` at ``expert_parallel_degree`` 2 x
 ``tensor_parallel_degree`` 2 and sharded with ``mp.shard``, each rank passing its own
 rows (the tensor-parallel group runs its ranks' rows together), with the load-balancing
-loss off and on.
+loss off and on. Tensor parallelism alone splits these models too (their experts whole on
+every rank), under ``mp.shard``, ``mp.replicate`` and torch's FSDP1; OLMoE, which no
+plan splits, trains with its tensor-parallel ranks as replicas (its load-balancing loss
+summed over them) and is refused with expert parallelism.
 
 Each case compares the loss of every step (the ranks' mean), the gradient norm
 (``tsm.clip_grad_norm_``) of every step, every parameter and every momentum buffer at the
