@@ -360,13 +360,12 @@ class Config:
                              f"{self.pipeline_parallel_degree}: expert parallelism works on "
                              "models given to tsm.transform (SMP v2, which has no pipeline); "
                              "set one of them to 1"))
-        for key, what in (("tensor_parallel_degree", "tensor parallelism"),
-                          ("context_parallel_degree", "context parallelism")):
-            if getattr(self, key) > 1:
-                problems.append(("expert_parallel_degree",
-                                 f"{ep} combined with {key}={getattr(self, key)} is not "
-                                 f"built yet (experts split over ranks together with "
-                                 f"{what}); set one of them to 1"))
+        if self.context_parallel_degree > 1:
+            problems.append(("expert_parallel_degree",
+                             f"{ep} combined with context_parallel_degree="
+                             f"{self.context_parallel_degree} is not built yet (experts split "
+                             f"over ranks together with context parallelism); set one of "
+                             f"them to 1"))
         return problems
 
 

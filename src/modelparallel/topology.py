@@ -247,7 +247,12 @@ def build_mesh(topology: Topology, device_type: str):
         meshes["ep"] = DeviceMesh(device_type, groups, mesh_dim_names=("ep_groups", "ep"))["ep"]
         held = torch.tensor(topology.expert_data_parallel_groups())
         names = ("ep_index", "expert_dp_replicate", "expert_dp_shard")
-        experts = DeviceMesh(device_type, held, mesh_dim_names=names)
+        # one (ep_index, replicas, shards) block per reduced data-parallel group (per
+        # tensor-parallel rank): a 3-D mesh of all of them would put the tensor-parallel
+        # ranks on ep_index too
+        blocks = held.view(-1, topology.ep, *held.shape[1:])
+        experts = DeviceMesh(device_type, blocks,
+                             mesh_dim_names=("expert_groups", *names))[names]
         meshes["experts"] = experts
         meshes["expert_dp"] = experts[names[2]] if held.shape[1] == 1 else experts[names[1:]]
         meshes["expert_replicas"] = DeviceMesh(

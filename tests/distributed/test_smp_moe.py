@@ -175,7 +175,10 @@ def test_smp_moe_trains_as_one_process(workers):
              (4, hybrid, "mixtral", "none", False, False),
              (4, hybrid, "mixtral", "aux_loss", False, False),
              (4, hybrid, "mixtral", "aux_loss", True, False),
-             (4, {"expert_parallel_degree": 4}, "qwen3_moe", "aux_loss", False, False)]
+             (4, {"expert_parallel_degree": 4}, "qwen3_moe", "aux_loss", False, False),
+             # beyond SMP: with tensor parallelism (the shared expert split, experts whole)
+             (4, {"expert_parallel_degree": 2, "tensor_parallel_degree": 2}, "qwen2_moe",
+              "aux_loss", False, False)]
     for world, config, family, mode, checkpointed, fsdp1 in cases:
         for rank, (problems, figures) in enumerate(workers(world).run(
                 parallel_case, config=config, family=family, mode=mode,

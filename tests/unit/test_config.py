@@ -877,6 +877,24 @@ class TestExpertParallelLayout:
         assert [topology.reading_rank(r, CommGroup.RDP_GROUP) for r in range(world)] == \
             [(r, world) for r in range(world)]
 
+    @pytest.mark.parametrize("hsd, world, groups, copies", [
+        (0, 4, [[0, 2], [1, 3]], [[[0]], [[2]], [[1]], [[3]]]),
+        (2, 8, [[0, 2], [4, 6], [1, 3], [5, 7]],              # replicated over 2 ranks
+         [[[0], [4]], [[2], [6]], [[1], [5]], [[3], [7]]]),
+        (0, 8, [[0, 2], [4, 6], [1, 3], [5, 7]],              # sharded over 2 ranks
+         [[[0, 4]], [[2, 6]], [[1, 5]], [[3, 7]]]),
+    ])
+    def test_with_tensor_parallelism_each_tp_rank_has_its_own_groups(self, hsd, world,
+                                                                      groups, copies):
+        # tp is the innermost dim: the ep groups and the ranks holding the same experts
+        # are data-parallel ranks with the same tp rank (never two ranks of a tp group)
+        topology = Topology.from_config(load({"expert_parallel_degree": 2,
+                                              "tensor_parallel_degree": 2,
+                                              "hybrid_shard_degree": hsd}), world)
+        assert topology.ep_groups() == groups
+        assert topology.expert_data_parallel_groups() == copies
+        assert [topology.ep_rank(r) for r in range(world)] == [r // 2 % 2 for r in range(world)]
+
     def test_a_degree_that_does_not_divide_the_data_parallel_size_is_refused(self):
         with pytest.raises(ConfigError) as err:
             Topology.from_config(load({"expert_parallel_degree": 3}), 4)
@@ -888,8 +906,6 @@ class TestExpertParallelLayout:
         ("pipeline_parallel_degree", "2 cannot be combined with pipeline_parallel_degree=2: "
          "expert parallelism works on models given to tsm.transform (SMP v2, which has no "
          "pipeline); set one of them to 1"),
-        ("tensor_parallel_degree", "2 combined with tensor_parallel_degree=2 is not built yet "
-         "(experts split over ranks together with tensor parallelism); set one of them to 1"),
         ("context_parallel_degree", "2 combined with context_parallel_degree=2 is not built "
          "yet (experts split over ranks together with context parallelism); set one of "
          "them to 1"),

@@ -10,9 +10,10 @@ from torch import nn
 
 from modelparallel.parallel.expert_parallel.ownership import local_experts
 from modelparallel.plan import PlanError, Workload, plan_job
+from modelparallel.plan import search as searching
 from modelparallel.plan.device_model import PROFILES
 from modelparallel.plan.experts import routed_counts
-from modelparallel.plan.search import search
+from modelparallel.plan.search import layouts, search
 from modelparallel.plan.table import ranking
 
 
@@ -58,6 +59,31 @@ def test_search_recommends_ep_when_the_experts_do_not_fit_otherwise():
     for rank in found[0].plan.ranks:
         assert rank.routing == "worst"
         assert 0 < rank.peak_bytes_balanced_routing <= rank.peak_bytes
+
+
+def test_the_search_ranks_expert_parallel_layouts_with_tensor_parallelism(monkeypatch):
+    # every ep degree dividing the data-parallel size and the experts, with and without
+    # tensor parallelism, never with a pipeline
+    with_ep = [(c["pipeline_parallel_degree"], c["tensor_parallel_degree"],
+                c["hybrid_shard_degree"], c["expert_parallel_degree"])
+               for c in layouts(4, {}, experts=(8, 8)) if c["expert_parallel_degree"] > 1]
+    assert sorted(with_ep) == [(1, 1, 1, 2), (1, 1, 1, 4), (1, 1, 2, 2), (1, 1, 2, 4),
+                               (1, 1, 4, 2), (1, 1, 4, 4), (1, 2, 1, 2), (1, 2, 2, 2)]
+    # (pp 1, tp 2, hybrid_shard 1): without ep it does not fit; with ep 2 it is simulated
+    # (transform + shard) and recommended
+    every = layouts
+    monkeypatch.setattr(searching, "layouts", lambda *args, **kwargs: [
+        c for c in every(*args, **kwargs)
+        if (c["pipeline_parallel_degree"], c["tensor_parallel_degree"],
+            c["hybrid_shard_degree"]) == (1, 2, 1)])
+    device = PROFILES["h100"]
+    found = search(Workload(mixtral, {}, world_size=4, batch_size=1, seq_len=16), device,
+                   memory_per_device=40 * 2**20)
+    assert [c.config["expert_parallel_degree"] for c in found] == [2, 1]
+    assert found[0].refused is None and found[0].plan is not None
+    assert found[0].plan.work.api == "v2"
+    assert "> 40.00 MiB per device" in (found[1].refused or "")
+    assert ranking(found, device).splitlines()[1].startswith("pp 1, tp 2, hybrid_shard 1, ep 2")
 
 
 def test_an_eager_experts_loop_is_one_line():

@@ -79,19 +79,46 @@ def _reference_vit(model: ViT, o: TPOptions) -> TPPlan:
 
 # -- Hugging Face transformers ---------------------------------------------------------
 
-@builtin("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
-def _llama_layer(layer: Any, o: TPOptions) -> TPPlan:
+def _attention(layer: Any) -> TPPlan:
+    """A Llama-style layer's attention split by heads (its MLP left to the caller)."""
     cfg = layer.self_attn.config
     return TPPlan(
         styles={"self_attn": shared_input(hidden_states=None),
                 "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp": shared_input(), "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()},
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()},
         sizes={"attention heads": cfg.num_attention_heads,
-               "key/value heads": cfg.num_key_value_heads,
-               "MLP width": layer.mlp.gate_proj.out_features},
+               "key/value heads": cfg.num_key_value_heads},
         rng={"self_attn": SHARDED})
+
+
+def _split_mlp(plan: TPPlan, path: str, mlp: Any, label: str) -> None:
+    """Add a gated MLP (gate_proj, up_proj, down_proj) at ``path``, column-then-row."""
+    plan.styles |= {path: shared_input(), f"{path}.gate_proj": ColwiseParallel(),
+                    f"{path}.up_proj": ColwiseParallel(),
+                    f"{path}.down_proj": RowwiseParallel()}
+    plan.sizes[label] = mlp.gate_proj.out_features
+
+
+@builtin("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+def _llama_layer(layer: Any, o: TPOptions) -> TPPlan:
+    plan = _attention(layer)
+    _split_mlp(plan, "mlp", layer.mlp, "MLP width")
+    return plan
+
+
+@builtin("MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer")
+def _moe_layer(layer: Any, o: TPOptions) -> TPPlan:
+    # a sparse block's router and experts stay whole on every tensor-parallel rank, which
+    # all route the same tokens (expert parallelism splits the experts over data-parallel
+    # ranks: docs/expert-parallel.md, "With tensor parallelism"); a shared expert and a
+    # dense layer's MLP split as Llama's
+    plan = _attention(layer)
+    shared = getattr(layer.mlp, "shared_expert", None)
+    if not hasattr(layer.mlp, "experts"):
+        _split_mlp(plan, "mlp", layer.mlp, "MLP width")
+    elif shared is not None:
+        _split_mlp(plan, "mlp.shared_expert", shared, "shared expert width")
+    return plan
 
 
 @builtin("GPTNeoXLayer")
@@ -148,9 +175,11 @@ def _head_plan(*attrs: str) -> PlanFactory:
     return plan
 
 
-builtin("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")(_embedding_plan("embed_tokens"))
+builtin("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "MixtralModel",
+        "Qwen2MoeModel", "Qwen3MoeModel")(_embedding_plan("embed_tokens"))
 builtin("GPT2Model")(_embedding_plan("wte"))
 builtin("GPTNeoXModel")(_embedding_plan("embed_in"))
 builtin("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
         "GPT2LMHeadModel")(_head_plan("lm_head"))
 builtin("GPTNeoXForCausalLM")(_head_plan("lm_head", "embed_out"))

@@ -54,7 +54,7 @@ def clip_grad_norm_(model: nn.Module | Iterable[torch.Tensor], max_norm: float,
         torch.zeros((), device=device)
     if stages is not None:  # add up the pipeline stages' parts
         p = float(norm_type)
-        part = _powered(total.float(), p)
+        part = _powered(_summable(total), p)
         dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
                         group=stages)
         total = part if math.isinf(p) else part ** (1.0 / p)
@@ -87,13 +87,14 @@ def fsdp1_clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 
     device = next((g.device for gs in buckets.values() for g in gs), torch.device("cpu"))
     total = torch.zeros((), device=device)
     for (split, sharded), grads in buckets.items():
-        part = _powered(_norm(grads, p, False, foreach).float().to(device), p)
+        part = _powered(_summable(_norm(grads, p, False, foreach)).to(device), p)
         for group in (*split, sharded):
             if group is not None:
                 dist.all_reduce(part, op=op, group=group)
         total = torch.maximum(total, part) if math.isinf(p) else total + part
     for group in _by_mesh(unmanaged).values():
-        part = _powered(_norm([q.grad for q in group], p, False, foreach).float().to(device), p)
+        part = _powered(_summable(_norm([q.grad for q in group], p, False, foreach)).to(device),
+                        p)
         total = torch.maximum(total, part) if math.isinf(p) else total + part
     total = total if math.isinf(p) else total ** (1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):
@@ -127,6 +128,12 @@ def _norm(grads: Sequence[torch.Tensor | None], norm_type: float, error_if_nonfi
     norm = torch.nn.utils.get_total_norm([g for g in grads if g is not None], norm_type,
                                          error_if_nonfinite, foreach)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _summable(norm: torch.Tensor) -> torch.Tensor:
+    """``norm`` in float32 at least, to be summed over ranks: half-precision norms gain
+    range, float64 ones keep their precision (``.float()`` cut them to float32)."""
+    return norm.to(torch.promote_types(norm.dtype, torch.float32))
 
 
 def _powered(norm: torch.Tensor, p: float) -> torch.Tensor:

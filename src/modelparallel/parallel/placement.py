@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from modelparallel.module_state import lookup
 from modelparallel.parallel.pipeline.absent import AbsentTensor
 
 
@@ -25,6 +26,20 @@ def on_mesh_dims(t: torch.Tensor, dims: set[str]) -> bool:
 def holds_tensor_parallel(module: nn.Module) -> bool:
     """Whether ``module`` has parameters tensor parallelism split (DTensors on ``tp``)."""
     return any(on_mesh_dims(p, {"tp"}) for p in module.parameters())
+
+
+def tp_ranks_are_replicas(model: nn.Module, tp: int) -> bool:
+    """Whether the ``tp`` tensor-parallel ranks hold ``model`` whole (nothing of it is
+    split), so that each trains it on its own batch and they act as data-parallel
+    replicas: its gradients are averaged over them too (SMP v1's rule for modules
+    tensor parallelism does not split). A model with any split layer runs its tensor-
+    parallel group's batches together instead (see ``batch.py``)."""
+    if tp == 1:
+        return False
+    split = lookup(model, "tensor_parallel_split")
+    if split is None:  # transform() never saw it: split if it holds tensor-parallel shards
+        split = holds_tensor_parallel(model)
+    return not split
 
 
 def to_device(module: nn.Module, device: torch.device) -> None:

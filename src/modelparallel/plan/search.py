@@ -6,10 +6,10 @@ first two divides the world (the rest is data parallelism, sharded over
 ``hybrid_shard_degree`` ranks and replicated over the others), and, for a model context
 parallelism splits (a Hugging Face causal LM of ``MODEL_TYPES``) without a pipeline, a
 context-parallel degree dividing the shard degree; for a model whose experts expert
-parallelism splits, without pipeline and tensor parallelism, an expert-parallel degree
-dividing the data-parallel size and the experts (both planned with ``transform`` +
-``shard``, the API that has them); the configuration's other keys are kept. Layouts
-train different numbers of sequences per step (the ranks of a pipeline or a
+parallelism splits, without a pipeline (with or without tensor parallelism), an
+expert-parallel degree dividing the data-parallel size and the experts (both planned
+with ``transform`` + ``shard``, the API that has them); the configuration's other keys
+are kept. Layouts train different numbers of sequences per step (the ranks of a pipeline or a
 context-parallel group read the same ones), so they are ranked by step time per
 sequence. To keep the search quick, each layout simulates one rank per pipeline
 stage (the first of its tensor-, context- and data-parallel groups: their ranks hold
@@ -58,8 +58,9 @@ def layouts(world_size: int, base: dict[str, Any], context_parallel: bool = Fals
     with ``context_parallel`` every context-parallel degree > 1 of those without a
     pipeline (a divisor of the shard degree); for a model whose layers hold ``experts``
     experts (each layer's count), every expert-parallel degree > 1 dividing the
-    data-parallel size and every count, of the layouts without pipeline and tensor
-    parallelism (what expert parallelism combines with)."""
+    data-parallel size and every count, of the layouts without a pipeline (expert
+    parallelism combines with tensor parallelism and hybrid sharding, not with a
+    pipeline)."""
     out = []
     for pp in _divisors(world_size):
         for tp in _divisors(world_size // pp):
@@ -74,7 +75,7 @@ def layouts(world_size: int, base: dict[str, Any], context_parallel: bool = Fals
                 if context_parallel and pp == 1:
                     out += [{**config, "context_parallel_degree": cp}
                             for cp in _divisors(shard) if cp > 1]
-                if experts and pp == 1 and tp == 1:
+                if experts and pp == 1:
                     out += [{**config, "expert_parallel_degree": ep} for ep in _divisors(dp)
                             if ep > 1 and all(count % ep == 0 for count in experts)]
     return out

@@ -25,7 +25,6 @@ from modelparallel.parallel.expert_parallel import smp_layer
 from modelparallel.parallel.tensor import transform as splitting  # the module
 from modelparallel.smp.state import state
 from modelparallel.smp.v2.moe import MoEConfig
-from modelparallel.topology import CommGroup
 
 
 def transform(model: nn.Module, device: torch.device | str | None = None,
@@ -54,7 +53,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     model = context_parallel.apply(model, ctx, cp_comm_type)
     if isinstance(config, MoEConfig) and config.smp_moe:  # SMP's layer, then the split
         model = smp_layer.install(model, config.router_settings(),
-                                  ctx.process_group(CommGroup.RDP_GROUP))
+                                  expert_parallel.batch_group(model, ctx))
         model = expert_parallel.apply(model, ctx)
     elif isinstance(config, MoEConfig):
         model = expert_parallel.apply(model, ctx, config.moe_load_balancing,

@@ -13,13 +13,14 @@ experts, ``router_loss.py`` computes a model's load-balancing loss over the whol
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
 from modelparallel.config import ConfigError
 from modelparallel.context import ParallelContext
 from modelparallel.module_state import lookup
 from modelparallel.parallel.expert_parallel import router_loss
-from modelparallel.topology import CommGroup
+from modelparallel.parallel.placement import tp_ranks_are_replicas
 
 LOAD_BALANCING = ("aux_loss", "sinkhorn", "balanced", "none")
 BUILT_LOAD_BALANCING = ("aux_loss", "none")
@@ -46,6 +47,15 @@ def apply(model: nn.Module, ctx: ParallelContext, load_balancing: str = "none",
     balance_over_batch(model, ctx)
     if ctx.ep_group is None:
         return model
+    if tp_ranks_are_replicas(model, ctx.topology.tp):
+        # its tensor-parallel ranks would train their own rows, each with its own copy of
+        # its experts: their gradients would never meet
+        raise ConfigError([("expert_parallel_degree", (
+            f"{ctx.topology.ep} with tensor_parallel_degree={ctx.topology.tp} needs a model "
+            f"tensor parallelism splits (Mixtral, Qwen2-MoE and Qwen3-MoE have plans); "
+            f"{type(model).__name__} has none, so its tensor-parallel ranks would be "
+            f"data-parallel replicas with experts of their own: register a plan "
+            f"(tp_register_with_module), or set one of the degrees to 1"))])
     from modelparallel.parallel.expert_parallel import hugging_face
 
     return hugging_face.install(model, ctx.ep_group, ctx.topology.ep_rank(ctx.rank),
@@ -73,9 +83,19 @@ def balance_over_batch(model: nn.Module, ctx: ParallelContext) -> None:
     """Make ``model``'s own load-balancing loss (Hugging Face MoE models, when a call asks
     for it) one process's over the whole batch: its statistics summed over the ranks
     holding different samples (router_loss.py). Nothing for other models, on one rank,
-    or with a pipeline (the loss and the routers live on different stages)."""
+    or with a pipeline (the loss and the routers live on different stages). The ranks of
+    a tensor-parallel group run the same tokens when tensor parallelism split the model,
+    and their own rows when it did not (replicas: they are summed over too)."""
     if ctx.topology.pp == 1 and router_loss.has_router_loss(model):
-        router_loss.install(model, ctx.process_group(CommGroup.RDP_GROUP))
+        router_loss.install(model, batch_group(model, ctx))
+
+
+def batch_group(model: nn.Module, ctx: ParallelContext) -> dist.ProcessGroup:
+    """The ranks whose rows make one process's batch, over which a load-balancing loss's
+    statistics are summed: the data-parallel ranks, and the tensor-parallel ones too when
+    tensor parallelism left ``model`` whole (they are replicas with rows of their own)."""
+    readers = ctx.data_parallel.averaging(tp_ranks_are_replicas(model, ctx.topology.tp))
+    return ctx.process_group(readers)
 
 
 def split_experts(model: nn.Module) -> list[nn.Module]:

@@ -14,14 +14,18 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from modelparallel.config import ConfigError
 from modelparallel.context import ParallelContext
-from modelparallel.module_state import lookup, state_of
+from modelparallel.module_state import state_of
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.placement import (
-    holds_tensor_parallel,
     is_meta,
     materialize_meta,
     to_device,
 )
+
+# the one predicate of whether tensor parallelism split a model lives in placement.py,
+# which expert parallelism imports without this module's imports (replicas.py imports
+# expert_parallel); its callers import it here
+from modelparallel.parallel.placement import tp_ranks_are_replicas as tp_ranks_are_replicas
 from modelparallel.parallel.precision import compute_as
 from modelparallel.parallel.replicas import broadcast_from_first
 from modelparallel.parallel.tensor import batch, rng
@@ -150,20 +154,6 @@ def _take_rank0_weights(model: nn.Module, ctx: ParallelContext) -> None:
     if ctx.coordinate("tp") == 0:  # rank 0's group: the ranks that begin a tp group
         broadcast_from_first([*model.parameters(), *model.buffers()],
                              ctx.process_group(CommGroup.RDP_GROUP))
-
-
-def tp_ranks_are_replicas(model: nn.Module, tp: int) -> bool:
-    """Whether the ``tp`` tensor-parallel ranks hold ``model`` whole (nothing of it is
-    split), so that each trains it on its own batch and they act as data-parallel
-    replicas: its gradients are averaged over them too (SMP v1's rule for modules
-    tensor parallelism does not split). A model with any split layer runs its tensor-
-    parallel group's batches together instead (see ``batch.py``)."""
-    if tp == 1:
-        return False
-    split = lookup(model, "tensor_parallel_split")
-    if split is None:  # transform() never saw it: split if it holds tensor-parallel shards
-        split = holds_tensor_parallel(model)
-    return not split
 
 
 def find_plans(model: nn.Module, options: TPOptions) -> list[_Found]:

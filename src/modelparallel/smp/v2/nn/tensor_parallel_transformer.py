@@ -6,7 +6,7 @@ TransformerEngine-based classes, and scripts name the layer classes for FSDP's
 auto-wrap policy and for activation checkpointing (``isinstance(m, TransformerLayer)``).
 ``tsm.transform`` here keeps the Hugging Face modules and splits them in place, so
 ``TransformerLayer`` and ``TETransformerLayer`` also count the transformer layers it
-splits (Llama, Mistral, Mixtral, Qwen2/3, GPT-NeoX, GPT-2 and GPT-J layers, the
+splits (Llama, Mistral, Mixtral, Qwen2/3, Qwen2/3-MoE, GPT-NeoX, GPT-2 and GPT-J layers, the
 reference ``Block``) as their instances: those policies wrap and checkpoint each layer,
 as in SMP.
 """
@@ -27,8 +27,8 @@ from modelparallel.smp.v1.nn.transformer import (
 
 # transformer layers of the models tsm.transform splits, by class name
 _HF_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "MixtralDecoderLayer",
-                        "Qwen2DecoderLayer", "Qwen3DecoderLayer", "GPTNeoXLayer", "GPT2Block",
-                        "GPTJBlock"})
+                        "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Qwen2MoeDecoderLayer",
+                        "Qwen3MoeDecoderLayer", "GPTNeoXLayer", "GPT2Block", "GPTJBlock"})
 
 
 def is_transformer_layer(module: object) -> bool:
