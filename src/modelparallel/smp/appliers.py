@@ -54,7 +54,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     model = context_parallel.apply(model, ctx, cp_comm_type)
     if isinstance(config, MoEConfig) and config.smp_moe:  # SMP's layer, then the split
         model = smp_layer.install(model, config.router_settings(),
-                                  ctx.process_group(CommGroup.RDP_GROUP))
+                                  ctx.process_group(CommGroup.RDP_GROUP), ctx.ep_group)
         model = expert_parallel.apply(model, ctx)
     elif isinstance(config, MoEConfig):
         model = expert_parallel.apply(model, ctx, config.moe_load_balancing,
