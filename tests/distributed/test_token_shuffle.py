@@ -5,13 +5,13 @@ defines it (written here, not imported: the permutation ``torch.randperm`` seede
 the first rank's draw from torch's generator, even shares in position order).
 
 The tiny float64 Mixtral of ``test_smp_moe.py`` (4 experts, top-2) trains 3 SGD steps at
-ep 2 on 2 ranks: with ``"none"`` and ``"aux_loss"`` (token-independent choices) it
-equals one process on the whole batch, as without the shuffle; with ``"sinkhorn"`` and
-``"balanced"`` it equals one process routing each even share of the permuted tokens as
-its own set, also inside ``checkpoint_wrapper``, whose gradients equal the run without
-it bit for bit (also with two micro-batches forwarded before one backward). One layer
-on ranks holding different numbers of tokens (3 and 8, 0 and 5) equals one process too;
-the misuse messages last.
+ep 2 on 2 ranks (and ``"sinkhorn"`` on 4: two groups, each shuffling its own): with
+``"none"`` and ``"aux_loss"`` (token-independent choices) it equals one process on the
+whole batch, as without the shuffle; with ``"sinkhorn"`` and ``"balanced"`` it equals one
+process routing each even share of the permuted tokens as its own set, also inside
+``checkpoint_wrapper``, whose gradients equal the run without it bit for bit (also with
+two micro-batches forwarded before one backward). One layer on ranks holding different
+numbers of tokens (3 and 8, 0 and 5) equals one process too; the misuse messages last.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ SEED = 7  # torch's generator before training: the reference's and the first ran
 RANKS = 2
 
 
-def shuffled_mix(layer, hidden: torch.Tensor, ranks: int) -> torch.Tensor:
-    """One process's output of SMP's MoE ``layer`` for the whole group's ``hidden``
-    (tokens in rank order) when each of ``ranks`` even shares of the permuted tokens is
+def shuffled_mix(layer, hidden: torch.Tensor, ranks: int,
+                 generators: list[torch.Generator]) -> torch.Tensor:
+    """One process's output of SMP's MoE ``layer`` for every rank's ``hidden`` (tokens in
+    rank order) when each expert-parallel group of ``ranks`` consecutive ranks (one per
+    generator: its first rank's) permutes its tokens and each even share of them is
     routed as its own set; the z-loss over every token, as the ranks sum it (no
     load-balancing loss: ``"sinkhorn"`` and ``"balanced"``)."""
     from modelparallel.parallel.expert_parallel.smp_router import (
@@ -39,15 +41,19 @@ def shuffled_mix(layer, hidden: torch.Tensor, ranks: int) -> torch.Tensor:
 
     shape = hidden.shape
     flat = hidden.reshape(-1, shape[-1])
-    tokens = flat.shape[0]
-    seed = int(torch.randint(2**62, (1,)))  # the first rank's draw (one per call)
-    order = torch.randperm(tokens, generator=torch.Generator().manual_seed(seed))
+    tokens = flat.shape[0] // len(generators)  # a group's
+    orders, sizes = [], []
+    for group, generator in enumerate(generators):
+        seed = int(torch.randint(2**62, (1,), generator=generator))  # one draw per call
+        permuted = torch.randperm(tokens, generator=torch.Generator().manual_seed(seed))
+        orders.append(group * tokens + permuted)
+        share, extra = divmod(tokens, ranks)
+        sizes += [share + (1 if j < extra else 0) for j in range(ranks)]
+    order = torch.cat(orders)
     logits = layer.gate(flat)[0][order]
     knobs = layer.settings
     if knobs.z_loss_coeff > 0:
         logits = AddLossGradient.apply(logits, z_loss(logits, knobs.z_loss_coeff, None))
-    share, extra = divmod(tokens, ranks)
-    sizes = [share + (1 if j < extra else 0) for j in range(ranks)]
     alone = RouterSettings(knobs.load_balancing, 0.0, 0.0)
     routed = [route(part, layer.top_k, alone, True, None) for part in logits.split(sizes)]
     weights = torch.cat([w for w, _ in routed])
@@ -56,26 +62,31 @@ def shuffled_mix(layer, hidden: torch.Tensor, ranks: int) -> torch.Tensor:
     return out[torch.argsort(order)].reshape(shape)
 
 
-def shuffled_model(mode: str, ranks: int):
-    """One process's Mixtral whose MoE layers reproduce the shuffle over ``ranks``."""
+def shuffled_model(mode: str, groups: int):
+    """One process's Mixtral whose MoE layers reproduce the shuffle of ``groups``
+    expert-parallel groups of ``RANKS`` ranks, each group's first rank seeded ``SEED +
+    its rank``."""
     from test_smp_moe import smp_model
 
     from modelparallel.parallel.expert_parallel.smp_layer import MoELayer
 
     model = smp_model("mixtral", mode)
+    generators = [torch.Generator().manual_seed(SEED + g * RANKS) for g in range(groups)]
     for layer in model.modules():
         if isinstance(layer, MoELayer):
-            layer.forward = functools.partial(shuffled_mix, layer, ranks=ranks)
+            layer.forward = functools.partial(shuffled_mix, layer, ranks=RANKS,
+                                              generators=generators)
     return model
 
 
 @functools.cache
-def reference(mode: str, shuffled: bool) -> tuple[list[float], dict, dict]:
+def reference(mode: str, groups: int) -> tuple[list[float], dict, dict]:
     """One process on the whole batch, 3 steps (its MoE layers reproducing the shuffle
-    when ``shuffled``): losses, parameters, momentum buffers."""
+    of ``groups`` expert-parallel groups; none when 0): losses, parameters, momentum
+    buffers."""
     from test_smp_moe import smp_model
 
-    model = shuffled_model(mode, RANKS) if shuffled else smp_model("mixtral", mode)
+    model = shuffled_model(mode, groups) if groups else smp_model("mixtral", mode)
     opt = optimizer(model)
     torch.manual_seed(SEED)
     losses = []
@@ -109,10 +120,12 @@ def transformed(mode: str, checkpointed: bool = False):
     return tsm.shard(model, blocks=(layer,))
 
 
-def parallel_case(mode: str, checkpointed: bool) -> tuple[list[str], list[float]]:
-    """This rank's 3 steps at ep 2 against one process (the whole batch for ``"none"``
-    and ``"aux_loss"``, the shuffled shares otherwise): what differs, and the largest
-    differences (losses relative, parameters, momentum)."""
+def parallel_case(mode: str, checkpointed: bool,
+                  config: dict) -> tuple[list[str], list[float]]:
+    """This rank's 3 steps at ep 2 (``config``'s layout) against one process (the whole
+    batch for ``"none"`` and ``"aux_loss"``, the shuffled shares of each expert-parallel
+    group otherwise): what differs, and the largest differences (losses relative,
+    parameters, momentum)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -124,11 +137,11 @@ def parallel_case(mode: str, checkpointed: bool) -> tuple[list[str], list[float]
     from modelparallel.testing import TrainResult, parity_problems
 
     tsm.reset()
-    tsm.init({"expert_parallel_degree": RANKS})
+    tsm.init(config)
     model = transformed(mode, checkpointed)
     opt = optimizer(model)
-    rank = dist.get_rank()
-    rows = slice(rank * ROWS // RANKS, (rank + 1) * ROWS // RANKS)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     torch.manual_seed(SEED + rank)  # the ranks' generators differ: the first rank's seeds
     losses = []
     for ids in batches():
@@ -138,13 +151,14 @@ def parallel_case(mode: str, checkpointed: bool) -> tuple[list[str], list[float]
         opt.step()
         value = loss.detach().double()
         dist.all_reduce(value)
-        losses.append(float(value) / RANKS)
+        losses.append(float(value) / world)
     full = StateDictOptions(full_state_dict=True)
     params = get_model_state_dict(model, options=full)
     states = {f"{name}.{k}": v for name, s in
               get_optimizer_state_dict(model, opt, options=full)["state"].items()
               for k, v in s.items()}
-    ref_losses, ref_params, ref_states = reference(mode, mode in ("sinkhorn", "balanced"))
+    groups = world // RANKS if mode in ("sinkhorn", "balanced") else 0
+    ref_losses, ref_params, ref_states = reference(mode, groups)
     problems = parity_problems(TrainResult(losses, params), TrainResult(ref_losses, ref_params))
     problems += parity_problems(TrainResult([], states), TrainResult([], ref_states))
     figures = [max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -154,13 +168,16 @@ def parallel_case(mode: str, checkpointed: bool) -> tuple[list[str], list[float]
 
 
 def test_shuffled_training_equals_one_process(workers):
-    group = workers(RANKS)
-    for mode, checkpointed in [("none", False), ("aux_loss", False), ("sinkhorn", False),
-                               ("balanced", False), ("sinkhorn", True)]:
-        for rank, (problems, figures) in enumerate(group.run(
-                parallel_case, mode=mode, checkpointed=checkpointed)):
-            print(mode, checkpointed, rank, "loss rel, params, momentum:", figures)
-            assert problems == [], (mode, checkpointed, rank, problems)
+    ep2 = {"expert_parallel_degree": RANKS}
+    hybrid = {"expert_parallel_degree": RANKS, "hybrid_shard_degree": 2}
+    for world, config, mode, checkpointed in [
+            (2, ep2, "none", False), (2, ep2, "aux_loss", False), (2, ep2, "sinkhorn", False),
+            (2, ep2, "balanced", False), (2, ep2, "sinkhorn", True),
+            (4, hybrid, "sinkhorn", False)]:  # two groups, each shuffling its own tokens
+        for rank, (problems, figures) in enumerate(workers(world).run(
+                parallel_case, mode=mode, checkpointed=checkpointed, config=config)):
+            print(world, mode, checkpointed, rank, "loss rel, params, momentum:", figures)
+            assert problems == [], (world, mode, checkpointed, rank, problems)
 
 
 def test_the_shuffle_changes_what_sinkhorn_and_balanced_route():
@@ -169,7 +186,7 @@ def test_the_shuffle_changes_what_sinkhorn_and_balanced_route():
     from test_smp_moe import reference as unshuffled
 
     for mode in ("sinkhorn", "balanced"):
-        shuffled = reference(mode, True)[0]
+        shuffled = reference(mode, 1)[0]
         for pieces in (1, RANKS):
             other = unshuffled("mixtral", mode, pieces)[0]
             assert max(abs(a - b) / b for a, b in zip(shuffled, other, strict=True)) > 1e-5
@@ -249,7 +266,8 @@ def test_ranks_holding_different_token_counts(workers):
             hidden, weight = tokens(counts)
             hidden.requires_grad_()
             torch.manual_seed(SEED)
-            out = shuffled_mix(layer, hidden[None], RANKS)[0]
+            out = shuffled_mix(layer, hidden[None], RANKS,
+                               [torch.Generator().manual_seed(SEED)])[0]
             (out * weight).sum().backward()
             pairs = [(torch.cat([r["out"] for r in got]), out.detach()),
                      (torch.cat([r["input"] for r in got]), hidden.grad),
