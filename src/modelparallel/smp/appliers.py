@@ -39,6 +39,13 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
             f"config=None or a MoEConfig")
     if isinstance(config, MoEConfig) and (why := config.refusal()) is not None:
         raise NotImplementedError(why)
+    if isinstance(config, MoEConfig) and config.global_token_shuffle and ctx.topology.tp > 1:
+        # the ranks of a tensor-parallel group hold the same tokens but sit in different
+        # expert-parallel groups, whose permutations nothing makes agree
+        raise NotImplementedError(
+            f"MoEConfig(global_token_shuffle=True) with tensor_parallel_degree "
+            f"{ctx.topology.tp} is not built yet; pass global_token_shuffle=False, or set "
+            f"tensor_parallel_degree to 1")
     for ignored in config.ignored() if isinstance(config, MoEConfig) else []:
         notice("%s", ignored)
     if cp_comm_type not in COMM_TYPES:
@@ -53,7 +60,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     model = context_parallel.apply(model, ctx, cp_comm_type)
     if isinstance(config, MoEConfig) and config.smp_moe:  # SMP's layer, then the split
         model = smp_layer.install(model, config.router_settings(),
-                                  expert_parallel.batch_group(model, ctx))
+                                  expert_parallel.batch_group(model, ctx), ctx.ep_group)
         model = expert_parallel.apply(model, ctx)
     elif isinstance(config, MoEConfig):
         model = expert_parallel.apply(model, ctx, config.moe_load_balancing,

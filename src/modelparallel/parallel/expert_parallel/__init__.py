@@ -7,8 +7,8 @@ all-to-all, ``dispatch.py`` sends each token's choices to their experts and comb
 results, ``hugging_face.py`` finds a Hugging Face model's experts modules and splits
 them, ``sharding.py`` shards the experts with FSDP2 over the ranks that hold the same
 experts, ``router_loss.py`` computes a model's load-balancing loss over the whole batch,
-``smp_layer.py`` and ``smp_router.py`` are SMP's own MoE layer (``smp_moe=True``)
-(docs/expert-parallel.md).
+``smp_layer.py`` and ``smp_router.py`` are SMP's own MoE layer (``smp_moe=True``),
+``token_shuffle.py`` its global token shuffle (docs/expert-parallel.md).
 """
 
 from __future__ import annotations

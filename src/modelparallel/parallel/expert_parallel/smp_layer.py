@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from modelparallel.errors import ConfigError
+from modelparallel.notices import notice
+from modelparallel.parallel.expert_parallel import token_shuffle
 from modelparallel.parallel.expert_parallel.hugging_face import is_experts_module
 from modelparallel.parallel.expert_parallel.smp_router import (
     SMP_LOAD_BALANCING,
@@ -55,11 +57,15 @@ class MoELayer(nn.Module):
     and shared expert (the same modules, the same parameter names): the router's logits
     are the block's ``gate``'s, the choice of experts and their weights SMP's
     (``settings``), the auxiliary losses' sums taken over ``group`` (every rank holding
-    the batch's samples; this rank's alone when None). Built by ``tsm.transform(model,
-    config=MoEConfig(smp_moe=True))`` (:func:`replace_sparse_blocks`)."""
+    the batch's samples; this rank's alone when None). With
+    ``settings.global_token_shuffle`` the tokens are shuffled over ``shuffle_group`` (the
+    expert-parallel group) in training before they are routed (``token_shuffle.py``).
+    Built by ``tsm.transform(model, config=MoEConfig(smp_moe=True))``
+    (:func:`replace_sparse_blocks`)."""
 
     def __init__(self, block: nn.Module, settings: RouterSettings | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None,
+                 shuffle_group: dist.ProcessGroup | None = None) -> None:
         if not isinstance(block, nn.Module) or not is_sparse_block(block):
             raise TypeError(
                 f"MoELayer is built from a Hugging Face sparse MoE block (a gate router and a "
@@ -80,6 +86,7 @@ class MoELayer(nn.Module):
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.settings = settings or RouterSettings()
         self.group = group
+        self.shuffle_group = shuffle_group if self.settings.global_token_shuffle else None
         self.replaced = type(block).__name__
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -90,6 +97,13 @@ class MoELayer(nn.Module):
                                                               1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         flat = hidden_states.reshape(-1, shape[-1])
+        if self.training and self.shuffle_group is not None:
+            shuffle = token_shuffle.plan(flat.shape[0], self.shuffle_group, flat.device)
+            return shuffle.unshuffle(self._mix(shuffle.shuffle(flat))).reshape(shape)
+        return self._mix(flat).reshape(shape)
+
+    def _mix(self, flat: torch.Tensor) -> torch.Tensor:
+        """The block's output for the tokens ``flat`` (tokens, hidden), routed together."""
         # the model's own router module: its logits are what output_router_logits records
         logits = self.gate(flat)[0]
         if not (isinstance(logits, torch.Tensor) and logits.is_floating_point()
@@ -105,7 +119,7 @@ class MoELayer(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
-        return out.reshape(shape)
+        return out
 
     def extra_repr(self) -> str:
         return (f"top_k={self.top_k}, load_balancing={self.settings.load_balancing!r}, "
@@ -113,9 +127,11 @@ class MoELayer(nn.Module):
 
 
 def replace_sparse_blocks(model: nn.Module, settings: RouterSettings,
-                          group: dist.ProcessGroup | None = None) -> nn.Module:
+                          group: dist.ProcessGroup | None = None,
+                          shuffle_group: dist.ProcessGroup | None = None) -> nn.Module:
     """Replace every Hugging Face sparse MoE block of ``model`` with a :class:`MoELayer`
-    (in place: ``model`` is returned, or the layer when ``model`` is one block). Raises
+    (in place: ``model`` is returned, or the layer when ``model`` is one block), its
+    auxiliary sums over ``group``, its tokens shuffled over ``shuffle_group``. Raises
     ConfigError when there is none."""
     found = [(name, m) for name, m in model.named_modules() if is_sparse_block(m)]
     if not found and not any(isinstance(m, MoELayer) for m in model.modules()):
@@ -126,18 +142,24 @@ def replace_sparse_blocks(model: nn.Module, settings: RouterSettings,
             f"model, or no MoEConfig"))])
     for name, block in found:
         if not name:  # the model is one block
-            return MoELayer(block, settings, group)
+            return MoELayer(block, settings, group, shuffle_group)
         parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent), attribute, MoELayer(block, settings, group))
+        setattr(model.get_submodule(parent), attribute,
+                MoELayer(block, settings, group, shuffle_group))
     return model
 
 
-def install(model: nn.Module, settings: RouterSettings,
-            group: dist.ProcessGroup | None) -> nn.Module:
+def install(model: nn.Module, settings: RouterSettings, group: dist.ProcessGroup | None,
+            shuffle_group: dist.ProcessGroup | None = None) -> nn.Module:
     """``MoEConfig(smp_moe=True)``: SMP's MoE layer in place of every sparse MoE block of
     ``model``, its auxiliary losses' sums over ``group`` (the ranks holding different
-    samples). ValueError for a ``moe_load_balancing`` SMP does not know."""
+    samples), its tokens shuffled over ``shuffle_group`` (the expert-parallel group) when
+    the settings ask. ValueError for a ``moe_load_balancing`` SMP does not know."""
     if settings.load_balancing not in SMP_LOAD_BALANCING:
         raise ValueError(f"moe_load_balancing={settings.load_balancing!r}; SMP's MoE layer "
                          f"accepts {', '.join(map(repr, SMP_LOAD_BALANCING))}")
-    return replace_sparse_blocks(model, settings, group)
+    if settings.global_token_shuffle and shuffle_group is None:
+        notice("MoEConfig(global_token_shuffle=True) has no effect at "
+               "expert_parallel_degree 1: the tokens are shuffled across the ranks of an "
+               "expert-parallel group, and each rank routes its own")
+    return replace_sparse_blocks(model, settings, group, shuffle_group)

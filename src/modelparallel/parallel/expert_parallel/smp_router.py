@@ -42,6 +42,7 @@ class RouterSettings:
     load_balancing: str = "sinkhorn"
     aux_loss_coeff: float = 0.001
     z_loss_coeff: float = 0.001
+    global_token_shuffle: bool = False  # over the expert-parallel group (token_shuffle.py)
 
 
 class AddLossGradient(torch.autograd.Function):

@@ -23,13 +23,16 @@ class MoEConfig:
       ``moe_load_balancing`` ``"none"``, ``"aux_loss"`` (Switch's load-balancing loss,
       weighted by ``moe_aux_loss_coeff``, over the whole batch), ``"sinkhorn"`` (each
       rank's own tokens) or ``"balanced"`` (each expert the same number of each rank's
-      token slots); ``moe_z_loss_coeff`` > 0 adds the router z-loss (whole batch).
+      token slots); ``moe_z_loss_coeff`` > 0 adds the router z-loss (whole batch);
+      ``global_token_shuffle=True`` permutes the expert-parallel group's tokens across
+      its ranks before routing (each rank routes an even share of the permuted tokens).
     - ``smp_moe=False``: the model's own router and experts, ``moe_load_balancing``
       ``"none"`` (the model as configured) or ``"aux_loss"`` (the model's own
       load-balancing loss turned on, weighted by ``moe_aux_loss_coeff``).
 
-    ``global_token_shuffle``, ``moe_all_to_all_dispatcher=False`` and, with
-    ``smp_moe=False``, ``"sinkhorn"`` and ``"balanced"`` are refused as not built yet.
+    ``moe_all_to_all_dispatcher=False`` and, with ``smp_moe=False``,
+    ``global_token_shuffle``, ``"sinkhorn"`` and ``"balanced"`` are refused as not built
+    yet.
     ``random_seed``, ``use_cpu_initialization``, ``moe_z_loss_coeff`` with
     ``smp_moe=False`` and ``moe_aux_loss_coeff`` with ``"sinkhorn"`` have no effect, one
     notice each when set; ``moe_aux_loss_coeff`` none with ``"none"`` and ``"balanced"``
@@ -46,9 +49,10 @@ class MoEConfig:
 
     def refusal(self) -> str | None:
         """Why this configuration cannot be built yet (None when it can)."""
-        if self.global_token_shuffle:
-            return ("MoEConfig(global_token_shuffle=True) is not built yet; pass "
-                    "global_token_shuffle=False (each rank routes its own tokens)")
+        if self.global_token_shuffle and not self.smp_moe:
+            return ("MoEConfig(global_token_shuffle=True) shuffles the tokens SMP's MoE "
+                    "layer routes; with smp_moe=False (the model's own router) it is not "
+                    "built: pass smp_moe=True, or global_token_shuffle=False")
         if not self.moe_all_to_all_dispatcher:
             return ("MoEConfig(moe_all_to_all_dispatcher=False) is not built yet; pass "
                     "moe_all_to_all_dispatcher=True (tokens travel to their experts by "
@@ -58,7 +62,7 @@ class MoEConfig:
     def router_settings(self) -> RouterSettings:
         """What SMP's router (``smp_moe=True``) is asked to do."""
         return RouterSettings(self.moe_load_balancing, self.moe_aux_loss_coeff,
-                              self.moe_z_loss_coeff)
+                              self.moe_z_loss_coeff, self.global_token_shuffle)
 
     def ignored(self) -> list[str]:
         """What a built configuration asks for that has no effect (one notice each)."""
