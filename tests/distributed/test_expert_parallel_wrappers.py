@@ -20,10 +20,10 @@ from torch import nn
 
 
 def wrap(model: nn.Module, wrapper: str, strategy: str, orig: bool,
-         init: object = None) -> nn.Module:
+         init: object = None, sync: bool = False) -> nn.Module:
     """``model`` wrapped as a script would: FSDP1 (auto-wrapped per decoder layer, with
-    ``strategy``, ``use_orig_params=orig`` and ``param_init_fn=init``), mp.replicate or
-    mp.shard (``param_init_fn=init``)."""
+    ``strategy``, ``use_orig_params=orig``, ``param_init_fn=init`` and
+    ``sync_module_states=sync``), mp.replicate or mp.shard (``param_init_fn=init``)."""
     import modelparallel as tsm
 
     if wrapper == "replicate":
@@ -37,13 +37,16 @@ def wrap(model: nn.Module, wrapper: str, strategy: str, orig: bool,
                                transformer_layer_cls={type(model.model.layers[0])})
     return FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=orig,
                                     sharding_strategy=ShardingStrategy[strategy],
-                                    param_init_fn=init)
+                                    param_init_fn=init, sync_module_states=sync)
 
 
 def wrapper_case(config: dict, wrapper: str, strategy: str = "FULL_SHARD",
                  orig: bool = True, clip: str = "tsm", delayed: bool = False,
-                 family: str = "mixtral") -> list[str]:
-    """This rank's run; what differs from one process (empty when nothing does)."""
+                 family: str = "mixtral", sync: bool = False) -> list[str]:
+    """This rank's run; what differs from one process (empty when nothing does). With
+    ``sync``, the ranks past the first expert-parallel group start from other values (as
+    scripts seeding with their rank) and the wrapper starts them from the first ones'
+    (FSDP1's ``sync_module_states``; mp.replicate always does)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -68,7 +71,11 @@ def wrapper_case(config: dict, wrapper: str, strategy: str = "FULL_SHARD",
         init = DelayedParamIniter(model).get_param_init_fn()
     else:
         model = tsm.transform(build(family), config=moe)
-    model = wrap(model, wrapper, strategy, orig, init)
+    if sync and dist.get_rank() >= tsm.state.ep_size:  # holds copies of others' experts
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+    model = wrap(model, wrapper, strategy, orig, init, sync)
     opt = optimizer(model)
     index, count = replica_rank_and_size()
     rows = ROWS // count
@@ -131,7 +138,7 @@ def test_fsdp1_with_expert_parallelism_trains_as_one_process(workers):
              (2, ep2, dict(strategy="SHARD_GRAD_OP", orig=False)),
              (2, ep2, dict(strategy="NO_SHARD", orig=True)),
              (4, hybrid, dict(strategy="HYBRID_SHARD", orig=False, clip="fsdp1")),
-             (4, hybrid, dict(strategy="FULL_SHARD", orig=True)),
+             (4, hybrid, dict(strategy="FULL_SHARD", orig=True, sync=True)),
              (4, ep2, dict(strategy="FULL_SHARD", orig=False)),
              (4, {"expert_parallel_degree": 4}, dict(strategy="FULL_SHARD", orig=True,
                                                      family="qwen2_moe"))]
@@ -142,10 +149,12 @@ def test_fsdp1_with_expert_parallelism_trains_as_one_process(workers):
 
 
 def test_replicate_with_expert_parallelism_trains_as_one_process(workers):
+    # on 4 ranks, ranks 2 and 3 start from other values: DDP and the experts' replicas
+    # start from ranks 0 and 1's
     for world, config in [(2, {"expert_parallel_degree": 2}),
                           (4, {"expert_parallel_degree": 2})]:
-        for rank, problems in enumerate(workers(world).run(wrapper_case, config=config,
-                                                           wrapper="replicate")):
+        for rank, problems in enumerate(workers(world).run(
+                wrapper_case, config=config, wrapper="replicate", sync=world == 4)):
             assert problems == [], (config, rank)
 
 
