@@ -42,8 +42,9 @@ def wrap(model: nn.Module, wrapper: str, strategy: str, orig: bool,
 
 def wrapper_case(config: dict, wrapper: str, strategy: str = "FULL_SHARD",
                  orig: bool = True, clip: str = "tsm", delayed: bool = False,
-                 family: str = "mixtral", sync: bool = False) -> list[str]:
-    """This rank's run; what differs from one process (empty when nothing does). With
+                 family: str = "mixtral", sync: bool = False) -> tuple[list[str], dict]:
+    """This rank's run: what differs from one process (empty when nothing does), and the
+    largest differences (:func:`largest`). With
     ``sync``, the ranks past the first expert-parallel group start from other values (as
     scripts seeding with their rank) and the wrapper starts them from the first ones'
     (FSDP1's ``sync_module_states``; mp.replicate always does)."""
@@ -106,7 +107,25 @@ def wrapper_case(config: dict, wrapper: str, strategy: str = "FULL_SHARD",
     saved = get_optimizer_state_dict(model, opt, options=full)["state"]
     states = {f"{_plain(name)}.{k}": v for name, s in saved.items() for k, v in s.items()}
     problems += parity_problems(TrainResult([], states), TrainResult([], ref_states))
-    return problems
+    return problems, largest(losses, norms, params, states, (ref_losses, ref_norms,
+                                                            ref_params, ref_states))
+
+
+def largest(losses: list[float], norms: list[float], params: dict, states: dict,
+            ref: tuple) -> dict[str, float]:
+    """The largest differences from one process: losses and gradient norms relative,
+    parameters (the experts' apart) and optimizer states absolute."""
+    ref_losses, ref_norms, ref_params, ref_states = ref
+
+    def worst(got: dict, want: dict, experts: bool) -> float:
+        return max(float((got[n] - v).abs().max()) for n, v in want.items()
+                   if (".experts." in n) == experts)
+
+    return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
+            "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
+            "params": worst(params, ref_params, False),
+            "experts": worst(params, ref_params, True),
+            "states": max(worst(states, ref_states, e) for e in (False, True))}
 
 
 def _plain(name: str) -> str:
@@ -143,8 +162,8 @@ def test_fsdp1_with_expert_parallelism_trains_as_one_process(workers):
              (4, {"expert_parallel_degree": 4}, dict(strategy="FULL_SHARD", orig=True,
                                                      family="qwen2_moe"))]
     for world, config, kwargs in cases:
-        for rank, problems in enumerate(workers(world).run(wrapper_case, config=config,
-                                                           wrapper="fsdp1", **kwargs)):
+        for rank, (problems, _) in enumerate(workers(world).run(
+                wrapper_case, config=config, wrapper="fsdp1", **kwargs)):
             assert problems == [], (config, kwargs, rank, problems)
 
 
@@ -153,7 +172,7 @@ def test_replicate_with_expert_parallelism_trains_as_one_process(workers):
     # start from ranks 0 and 1's
     for world, config in [(2, {"expert_parallel_degree": 2}),
                           (4, {"expert_parallel_degree": 2})]:
-        for rank, problems in enumerate(workers(world).run(
+        for rank, (problems, _) in enumerate(workers(world).run(
                 wrapper_case, config=config, wrapper="replicate", sync=world == 4)):
             assert problems == [], (config, rank)
 
@@ -165,8 +184,8 @@ def test_delayed_init_with_expert_parallelism_trains_as_one_process(workers):
     for kwargs in [dict(wrapper="fsdp1", strategy="HYBRID_SHARD"),
                    dict(wrapper="fsdp1", strategy="FULL_SHARD", orig=False),
                    dict(wrapper="shard")]:
-        for rank, problems in enumerate(workers(4).run(wrapper_case, config=config,
-                                                       delayed=True, **kwargs)):
+        for rank, (problems, _) in enumerate(workers(4).run(wrapper_case, config=config,
+                                                            delayed=True, **kwargs)):
             assert problems == [], (kwargs, rank)
 
 
