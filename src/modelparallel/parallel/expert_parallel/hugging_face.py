@@ -160,7 +160,9 @@ def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int,
             spread = DTensor.from_local(held, mesh, (Shard(0), Replicate(), Replicate()),
                                         run_check=False, shape=whole.shape,
                                         stride=whole.stride())
-            setattr(module, weight, nn.Parameter(spread, requires_grad=whole.requires_grad))
+            # not setattr: a script may transform inside accelerate's init_empty_weights(),
+            # whose register_parameter rebuilds a parameter by its class (DTensor's fails)
+            module._parameters[weight] = nn.Parameter(spread, requires_grad=whole.requires_grad)
         # what the module's own forward indexes (setattr: mypy types module attributes
         # as tensors or modules)
         setattr(module, "num_experts", experts.count)  # noqa: B010
