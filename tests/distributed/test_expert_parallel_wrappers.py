@@ -276,3 +276,64 @@ def test_fsdp1_sharded_checkpoint_with_expert_parallelism_resumes(workers, tmp_p
                 resume_case, root=str(tmp_path / str(i)), saved_at=hybrid,
                 resumed_at=resumed_at, orig=orig)):
             assert problems == [], (resumed_at, rank, problems)
+
+
+def full_round_trip_case(config: dict, orig: bool) -> list[str]:
+    """One step under FSDP1, its ``FULL_STATE_DICT`` (model and ``FSDP.optim_state_dict``:
+    every expert whole, plain tensors) loaded back into the model after its values were
+    halved, two more steps; what differs from one process's three steps."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    import modelparallel as tsm
+    from modelparallel.data import replica_rank_and_size
+    from modelparallel.smp.v2.moe import MoEConfig
+    from modelparallel.testing import TrainResult, full_parameters, parity_problems
+
+    tsm.reset()
+    tsm.init(config)
+    model = tsm.transform(build(), config=MoEConfig(smp_moe=False, moe_load_balancing="none"))
+    model = wrap(model, "fsdp1", "FULL_SHARD", orig)
+    opt = optimizer(model)
+    index, count = replica_rank_and_size()
+    rows = slice(index * ROWS // count, (index + 1) * ROWS // count)
+    losses = []
+    for step, ids in enumerate(batches()):
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids[rows], labels=ids[rows]).loss
+        loss.backward()
+        opt.step()
+        value = loss.detach().double()
+        dist.all_reduce(value)
+        losses.append(float(value) / dist.get_world_size())
+        if step:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # FSDP.state_dict_type
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                      FullStateDictConfig(rank0_only=False),
+                                      FullOptimStateDictConfig(rank0_only=False)):
+                saved = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+                states = [(f"{k}.{s}", t) for k, st in saved["optim"]["state"].items()
+                          for s, t in st.items()]
+                whole = [n for n, v in [*saved["model"].items(), *states] if ".experts." in n
+                         and (type(v) is not torch.Tensor or v.shape[0] != 4)]
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, saved["optim"]))
+    ref_losses, ref_params, _, _, _ = reference()
+    problems = [f"{n} is not a whole plain tensor" for n in whole]
+    return problems + parity_problems(TrainResult(losses, full_parameters(model)),
+                                      TrainResult(ref_losses, ref_params))
+
+
+def test_fsdp1_full_state_dicts_with_expert_parallelism_round_trip(workers):
+    for orig in (True, False):
+        for rank, problems in enumerate(workers(2).run(
+                full_round_trip_case, config={"expert_parallel_degree": 2}, orig=orig)):
+            assert problems == [], (orig, rank, problems)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from modelparallel.errors import ConfigError
 from modelparallel.module_state import lookup, state_of
@@ -110,6 +110,20 @@ def _bind(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.
     return values["hidden_states"], values["top_k_index"], values["top_k_weights"]
 
 
+def _whole_weights_to_layout(module: nn.Module, state_dict: dict, prefix: str,
+                             *args: object) -> None:
+    """``load_state_dict`` pre-hook: a whole expert weight given as a plain tensor (a full
+    state dict: FSDP1's ``FULL_STATE_DICT``, one process's) becomes this rank's part, laid
+    out as the module's DTensor (copying a tensor into a DTensor is refused)."""
+    for name in EXPERT_WEIGHTS:
+        held, given = module._parameters.get(name), state_dict.get(prefix + name)
+        if isinstance(held, DTensor) and isinstance(given, torch.Tensor) and \
+                not isinstance(given, DTensor) and given.shape == held.shape:
+            state_dict[prefix + name] = distribute_tensor(
+                given.to(held.device), held.device_mesh, held.placements,
+                src_data_rank=None)  # this rank's part, no traffic
+
+
 _LOCAL_READERS: dict[type, type] = {}
 _LOCAL_VIEWS = "_expert_parallel_views"  # instance attribute: the forward's local weights
 
@@ -167,6 +181,7 @@ def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int,
         # as tensors or modules)
         setattr(module, "num_experts", experts.count)  # noqa: B010
         module.__class__ = _reading_local_experts(type(module))
+        module.register_load_state_dict_pre_hook(_whole_weights_to_layout)
         share = ExpertParallelExperts(experts, group)
         module.register_forward_pre_hook(share.before, with_kwargs=True)
         module.register_forward_hook(share.after)
