@@ -337,3 +337,31 @@ def test_fsdp1_full_state_dicts_with_expert_parallelism_round_trip(workers):
         for rank, problems in enumerate(workers(2).run(
                 full_round_trip_case, config={"expert_parallel_degree": 2}, orig=orig)):
             assert problems == [], (orig, rank, problems)
+
+
+def weights_on_rank_0_case() -> str:
+    """Rank 0 builds real weights, the others on the meta device (fine-tuning): refused."""
+    import modelparallel as tsm
+    from modelparallel.config import ConfigError
+    from modelparallel.smp.delayed_param import DelayedParamIniter, init_empty_weights
+    from modelparallel.smp.v2.moe import MoEConfig
+
+    tsm.reset()
+    tsm.init({"expert_parallel_degree": 2})
+    moe = MoEConfig(smp_moe=False, moe_load_balancing="none")
+    if tsm.rank() == 0:
+        model = tsm.transform(build(), config=moe)
+    else:
+        with init_empty_weights():
+            model = tsm.transform(build(), config=moe)
+    try:
+        wrap(model, "fsdp1", "FULL_SHARD", True, DelayedParamIniter(model).get_param_init_fn())
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_experts_loaded_on_rank_0_only_are_refused(workers):
+    for message in workers(2).run(weights_on_rank_0_case):
+        assert "expert_parallel_degree: 2 with experts on the meta device on some ranks and " \
+               "real on others (weights loaded on rank 0 only) is not built yet" in message
