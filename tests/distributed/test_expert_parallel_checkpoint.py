@@ -75,11 +75,15 @@ def reference() -> tuple[dict, dict]:
             flat_states(model, opt))
 
 
-def resume_case(root: str, layouts: list[dict], smp_modules: bool) -> list[str]:
+def resume_case(root: str, layouts: list[dict], api: str,
+                recompute: bool = False) -> list[str]:
     """Train step ``i`` at ``layouts[i]``, resuming from step ``i - 1``'s checkpoint;
-    what differs from one process at the end (empty when nothing does). With
-    ``smp_modules`` the calls are SMP v2's ``torch.sagemaker.distributed.checkpoint``
-    modules', else ``tsm.checkpoint``'s."""
+    what differs from one process at the end (empty when nothing does). ``api``: "dcp"
+    (``tsm.checkpoint.save`` / ``load`` of torch's ``get_state_dict``), "smp_modules"
+    (SMP v2's ``torch.sagemaker.distributed.checkpoint`` modules), "partial" or "full"
+    (``tsm.save_checkpoint`` / ``tsm.resume_from_checkpoint``, SMP's checkpoint calls).
+    With ``recompute`` the layers are activation-checkpointed (Hugging Face's
+    ``gradient_checkpointing_enable``): the dispatch runs again in the backward."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import modelparallel as tsm
@@ -88,19 +92,24 @@ def resume_case(root: str, layouts: list[dict], smp_modules: bool) -> list[str]:
     from modelparallel.smp.v2.moe import MoEConfig
     from modelparallel.testing import TrainResult, full_parameters, parity_problems
 
-    save = state_dict_saver.save if smp_modules else tsm.checkpoint.save
-    load = state_dict_loader.load if smp_modules else tsm.checkpoint.load
+    save = state_dict_saver.save if api == "smp_modules" else tsm.checkpoint.save
+    load = state_dict_loader.load if api == "smp_modules" else tsm.checkpoint.load
 
     def phase(config: dict, step: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         tsm.reset()
         tsm.init(config)
         model = build()
+        if recompute:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
         if config.get("expert_parallel_degree", 1) > 1:
             model = tsm.transform(model, config=MoEConfig(smp_moe=False,
                                                           moe_load_balancing="none"))
         model = tsm.shard(model, blocks=(type(model.model.layers[0]),))
         opt = optimizer(model)
-        if step > 0:
+        if step > 0 and api in ("partial", "full"):
+            tsm.resume_from_checkpoint(root, f"step{step - 1}", partial=api == "partial",
+                                       model=model, optimizer=opt)
+        elif step > 0:
             model_sd, optim_sd = get_state_dict(model, opt)
             target = {"model": model_sd, "optimizer": optim_sd}
             load(target, checkpoint_id=f"{root}/step{step - 1}")
@@ -112,6 +121,10 @@ def resume_case(root: str, layouts: list[dict], smp_modules: bool) -> list[str]:
         opt.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
+        if api in ("partial", "full"):
+            tsm.save_checkpoint(root, f"step{step}", partial=api == "partial", model=model,
+                                optimizer=opt)
+            return model, opt
         model_sd, optim_sd = get_state_dict(model, opt)
         save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=f"{root}/step{step}")
         return model, opt
@@ -131,12 +144,22 @@ def test_checkpoints_resume_across_expert_parallel_layouts(workers, tmp_path):
     ep4 = {"expert_parallel_degree": 4}
     none = {}  # no expert parallelism, every parameter sharded over the 4 ranks
     # the second chain saves and loads with SMP v2's state_dict_saver / state_dict_loader
-    chains = {"ep2 -> none -> ep4": ([ep2_replicated, none, ep4], False),
+    chains = {"ep2 -> none -> ep4": ([ep2_replicated, none, ep4], "dcp"),
               "ep4 -> ep2 sharded -> ep2 replicated": ([ep4, ep2_sharded, ep2_replicated],
-                                                       True)}
-    for name, (layouts, smp_modules) in chains.items():
+                                                       "smp_modules")}
+    for name, (layouts, api) in chains.items():
         root = tmp_path / name.replace(" ", "").replace(">", "")
-        results = workers(4).run(resume_case, root=str(root), layouts=layouts,
-                                 smp_modules=smp_modules)
+        results = workers(4).run(resume_case, root=str(root), layouts=layouts, api=api)
         for rank, problems in enumerate(results):
             assert problems == [], (name, rank)
+
+
+def test_smp_checkpoints_resume_across_expert_parallel_layouts(workers, tmp_path):
+    # SMP's save_checkpoint / resume_from_checkpoint, partial (each rank its part, DCP) and
+    # full (rank 0 writes the whole model), with activation checkpointing on 2 ranks
+    ep2, none = {"expert_parallel_degree": 2}, {}
+    for api in ("partial", "full"):
+        results = workers(2).run(resume_case, root=str(tmp_path / api),
+                                 layouts=[ep2, none, ep2], api=api, recompute=True)
+        for rank, problems in enumerate(results):
+            assert problems == [], (api, rank)

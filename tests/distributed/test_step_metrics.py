@@ -139,3 +139,21 @@ def test_an_uneven_all_to_all_counts_the_rows_that_leave_the_rank(workers):
     """Expert parallelism's dispatch: rank 0 keeps 3 rows and sends 1, rank 1 keeps 2
     and sends 2 (rows of 5 float32)."""
     assert workers(2).run(uneven_all_to_all_case) == [1 * 20.0, 2 * 20.0]
+
+
+def shared_group_labels_case() -> dict[str, int]:
+    """Expert parallelism on 2 ranks: the experts' group is the data-parallel shard
+    group (one process group); its label names both, so FSDP's traffic is not shown as
+    the experts'."""
+    import torch.distributed as dist
+
+    import modelparallel as mp
+
+    mp.init({"expert_parallel_degree": 2})
+    with mp.observe.CollectiveCounter(mp.state.group_labels) as counter:
+        dist.all_reduce(torch.ones(4), group=mp.state.context.meshes["dp_shard"].get_group())
+    return dict(counter.calls)
+
+
+def test_a_group_both_layout_and_expert_parallel_is_labelled_with_both(workers):
+    assert workers(2).run(shared_group_labels_case) == [{"dp_shard+ep_index": 1}] * 2

@@ -6,8 +6,9 @@ Every parameter of such a model is a DTensor on one mesh (the replicated ones
 ``Replicate()`` on ``tp``, ``sharding.replicate_on_tp``); before, FSDP2 put the split
 ones on ``(dp_shard, tp)`` and the others on ``dp_shard``, and torch's function failed
 ("All operands in aten.stack.default must have the same mesh"). Where torch cannot add
-the norms up (DTensors and plain tensors: no data-parallel wrapper), the launcher's
-summary says in one line to call ``mp.clip_grad_norm_``.
+the norms up (DTensors on several meshes under expert parallelism, or DTensors and plain
+tensors with no data-parallel wrapper), ``mp.init`` routed torch's function to
+``mp.clip_grad_norm_`` (smp/torch_clip_hook.py).
 """
 
 import functools
@@ -159,11 +160,10 @@ def test_torch_clip_grad_norm_of_a_distributed_model_matches_one_process(workers
         assert problems == [], rank
 
 
-def unwrapped_case() -> tuple[str | None, float, float]:
-    """Tensor parallelism alone: torch's function fails (split DTensors and plain
-    tensors); the worker's one line for it; ``mp.clip_grad_norm_`` gives the norm."""
-    from modelparallel.launch.worker import torch_clip_hint
-
+def unwrapped_case() -> tuple[float, float, float]:
+    """Tensor parallelism alone (split DTensors and plain tensors, which torch's function
+    cannot stack): after ``mp.init`` torch's function gives one process's norm, as
+    ``mp.clip_grad_norm_`` does."""
     mp.init(TP2)
     x, y = token_batches(1, GLOBAL_BATCH, SEQ, VOCAB, seed=1)[0]
     ref = build("gpt")
@@ -171,15 +171,77 @@ def unwrapped_case() -> tuple[str | None, float, float]:
     expected = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
     model = mp.transform(build("gpt"))
     lm_loss(model(x), y).backward()
-    try:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-        hint = None
-    except RuntimeError as error:
-        hint = torch_clip_hint(error)
-    return hint, float(mp.clip_grad_norm_(model, 1e9)), expected
+    torch_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    return torch_norm, float(mp.clip_grad_norm_(model, 1e9)), expected
 
 
-def test_where_torch_cannot_add_up_the_norms_the_error_names_mp_clip_grad_norm(workers):
-    for hint, ours, expected in workers(2).run(unwrapped_case):
-        assert hint is not None and "call mp.clip_grad_norm_(model, max_norm)" in hint
+def test_torch_clip_grad_norm_of_a_model_without_data_parallel_wrapper(workers):
+    for torch_norm, ours, expected in workers(2).run(unwrapped_case):
+        assert torch_norm == pytest.approx(expected, rel=1e-5)
         assert ours == pytest.approx(expected, rel=1e-5)
+
+
+@functools.cache
+def expert_reference() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """One process training the tiny float64 Mixtral with torch's clip on every step."""
+    from test_expert_parallel import batches, build, optimizer
+
+    model = build("mixtral")
+    opt = optimizer(model)
+    losses, norms = [], []
+    for ids in batches():
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), EP_MAX_NORM)))
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+EP_MAX_NORM = 0.5  # below every step's norm: every step clips
+
+
+def expert_parallel_case(config: dict) -> list[str]:
+    """Expert parallelism under ``mp.shard``: the experts are DTensors on the experts' mesh,
+    the rest on the data-parallel mesh; torch's own function on ``model.parameters()``."""
+    import torch.distributed as dist
+    from test_expert_parallel import ROWS, batches, build, optimizer
+
+    from modelparallel.data import replica_rank_and_size
+    from modelparallel.smp.v2.moe import MoEConfig
+    from modelparallel.testing import full_parameters
+
+    mp.init(config)
+    model = mp.transform(build("mixtral"),
+                         config=MoEConfig(smp_moe=False, moe_load_balancing="none"))
+    model = mp.shard(model, blocks=(type(model.model.layers[0]),))
+    opt = optimizer(model)
+    index, count = replica_rank_and_size()
+    rows = ROWS // count
+    losses, norms = [], []
+    for ids in batches():
+        ids = ids[index * rows:(index + 1) * rows]
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), EP_MAX_NORM)))
+        opt.step()
+        value = loss.detach().double()
+        dist.all_reduce(value)
+        losses.append(float(value) / dist.get_world_size())
+    ref_losses, ref_norms, ref_params = expert_reference()
+    problems = [f"step {i}: torch's norm {a!r} vs one process's {b!r}"
+                for i, (a, b) in enumerate(zip(norms, ref_norms, strict=True))
+                if not (b > EP_MAX_NORM and abs(a - b) <= 1e-12 * b)]
+    return problems + parity_problems(TrainResult(losses, full_parameters(model)),
+                                      TrainResult(ref_losses, ref_params))
+
+
+@pytest.mark.parametrize("world, config", [
+    (2, {"expert_parallel_degree": 2}),
+    (4, {"expert_parallel_degree": 2, "hybrid_shard_degree": 2})])
+def test_torch_clip_grad_norm_under_expert_parallelism_matches_one_process(
+        workers, world, config):
+    for rank, problems in enumerate(workers(world).run(expert_parallel_case, config=config)):
+        assert problems == [], rank

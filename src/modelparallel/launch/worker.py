@@ -40,7 +40,9 @@ TORCH_CLIP_FUNCTIONS = {"clip_grad_norm_", "get_total_norm", "_get_total_norm"}
 
 def torch_clip_hint(error: BaseException) -> str | None:
     """The one line for torch's ``clip_grad_norm_`` failing on a model whose gradients it
-    cannot add up (tensor parallelism without one mesh for all parameters), or None."""
+    cannot add up (tensor parallelism without one mesh for all parameters), or None.
+    ``mp.init`` routes the function to ``mp.clip_grad_norm_`` (smp/torch_clip_hook.py), so
+    this is torch's own, bound before ``mp.init``."""
     frames = traceback.extract_tb(error.__traceback__)
     if not TORCH_CLIP_MIXED.search(str(error)) or not any(
             f.name in TORCH_CLIP_FUNCTIONS and "clip_grad" in f.filename for f in frames):
@@ -48,7 +50,9 @@ def torch_clip_hint(error: BaseException) -> str | None:
     return ("torch.nn.utils.clip_grad_norm_ cannot add up this model's gradient norms (its "
             "parameters are DTensors on several meshes, or DTensors and plain tensors): call "
             "mp.clip_grad_norm_(model, max_norm) (SMP v2: torch.sagemaker.grad_norm."
-            "clip_grad_norm_), which returns the global norm of any layout")
+            "clip_grad_norm_), which returns the global norm of any layout; "
+            "torch.nn.utils.clip_grad_norm_ looked up after mp.init() calls it itself "
+            "(this one was bound before)")
 
 
 def _user_frames(error: BaseException, script: str):

@@ -106,6 +106,12 @@ def fsdp1_clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 
     return total
 
 
+def mixes_meshes(params: Sequence[torch.Tensor]) -> bool:
+    """Whether the gradients of ``params`` are DTensors on several meshes, or DTensors and
+    plain tensors: what torch's ``clip_grad_norm_`` cannot add up."""
+    return len(_by_mesh(params)) > 1
+
+
 def _by_mesh(params: Sequence[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
     """Parameters with gradients, by the mesh of their gradient (None: plain tensors)."""
     by_mesh: dict[object, list[torch.Tensor]] = {}

@@ -124,15 +124,23 @@ def _set_timeouts(timeout: datetime.timedelta, mesh: Any, meshes: dict[str, Any]
                            group.group_name, e)
 
 
+# the layout's own dims: a group that is also an expert-parallel one keeps its dim's name
+# in its label ("dp_shard+ep_index": FSDP's traffic and the experts' travel in one group)
+_LAYOUT_DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+
+
 def _label_groups(meshes: dict[str, Any]) -> dict[str, str]:
     """Name every process group we made, for communication accounting."""
     labels: dict[str, str] = {_world().group_name: "world"}
     for name, mesh in meshes.items():  # mesh dims come last: the most specific label wins
         if mesh.ndim == 1:
-            labels[mesh.get_group().group_name] = name
-        else:  # the experts' (replicate, shard) mesh: each dim by its name
-            for dim, group in zip(mesh.mesh_dim_names, mesh.get_all_groups(), strict=True):
-                labels[group.group_name] = dim
+            pairs = [(name, mesh.get_group())]
+        else:  # the experts' meshes: each dim by its name
+            pairs = list(zip(mesh.mesh_dim_names, mesh.get_all_groups(), strict=True))
+        for label, group in pairs:
+            held = labels.get(group.group_name, "").split("+")[0]
+            joined = held in _LAYOUT_DIMS and label not in _LAYOUT_DIMS
+            labels[group.group_name] = f"{held}+{label}" if joined else label
     return labels
 
 

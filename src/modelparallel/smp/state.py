@@ -19,6 +19,7 @@ import torch.distributed as dist
 from modelparallel.config import Config, ConfigError
 from modelparallel.context import ParallelContext
 from modelparallel.parallel.offload import loading_horizon
+from modelparallel.smp import torch_clip_hook
 from modelparallel.smp.errors import NotInitializedError
 from modelparallel.smp.process_groups import build_context
 from modelparallel.smp.v2 import fsdp1_hook
@@ -325,6 +326,7 @@ def init(config: Config | dict | str | os.PathLike | None = None,
 
     state.set(build_context(cfg, topology, world_size, timeout, state.generation + 1))
     fsdp1_hook.install(state)  # unchanged FSDP1 scripts follow hybrid_shard_degree
+    torch_clip_hook.install(state)  # torch's clip_grad_norm_ adds up any layout's norms
     if state.rank == 0:
         logger.info("modelparallel initialized: %s", topology.describe())
     return state

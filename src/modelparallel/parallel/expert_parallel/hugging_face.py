@@ -16,6 +16,8 @@ router, a shared expert and everything else are the model's own, unchanged.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,7 +30,7 @@ from modelparallel.parallel.expert_parallel import dispatch
 from modelparallel.parallel.expert_parallel.ownership import ExpertRange, local_experts
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+_ROUTED_NAMES = (("top_k_index", "top_k_weights"), ("router_indices", "routing_weights"))
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -39,6 +41,24 @@ def is_experts_module(module: nn.Module) -> bool:
     return total is not None and all(
         isinstance(w, nn.Parameter) and w.dim() == 3 and w.shape[0] == total
         for w in weights)
+
+
+def expert_tensors(module: nn.Module) -> list[str]:
+    """The names of ``module``'s parameters that hold one slice per expert along their
+    first dim: the fused weights, and per-expert biases where the model has them
+    (GPT-OSS's ``gate_up_proj_bias`` and ``down_proj_bias``)."""
+    total = expert_count(module)
+    return [name for name, p in module.named_parameters(recurse=False)
+            if name in EXPERT_WEIGHTS or (p.dim() >= 1 and p.shape[0] == total)]
+
+
+def routed_arguments(module: nn.Module) -> tuple[str, ...] | None:
+    """The names of ``module``'s forward arguments when it is called with the router's
+    choices, ``(hidden_states, top_k_index, top_k_weights)`` (GPT-OSS names them
+    ``router_indices, routing_weights``), what the dispatch hooks send it; None for
+    experts called otherwise (Llama 4's take every token for every expert)."""
+    names = tuple(inspect.signature(module.forward).parameters)[:3]
+    return names if len(names) == 3 and names[1:] in _ROUTED_NAMES else None
 
 
 def expert_count(module: nn.Module) -> int | None:
@@ -56,9 +76,12 @@ class ExpertParallelExperts:
     """One experts module's share of expert parallelism: the experts this rank holds and
     the hooks that send tokens to their experts and bring the results back."""
 
-    def __init__(self, experts: ExpertRange, group: dist.ProcessGroup) -> None:
+    def __init__(self, experts: ExpertRange, group: dist.ProcessGroup,
+                 tensors: list[str], arguments: tuple[str, ...]) -> None:
         self.experts = experts
         self.group = group
+        self.tensors = tensors  # the module's per-expert parameters (expert_tensors)
+        self.arguments = arguments  # its forward's (hidden, index, weights) names
         # how the rows each rank sends and receives are known: read from the exchanged
         # counts; replaceable by a simulation without values (the planner's routing
         # assumption, docs/planner.md)
@@ -67,10 +90,10 @@ class ExpertParallelExperts:
         self._pending: list[tuple[dispatch.Routing, torch.Tensor, dict[str, torch.Tensor]]] = []
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        hidden, index, weights = _bind(args, kwargs)
+        hidden, index, weights = _bind(args, kwargs, self.arguments)
         received, routing = dispatch.dispatch(hidden, index, weights, self.experts, self.group,
                                               self.counts)
-        self._pending.append((routing, hidden, _local_views(module)))
+        self._pending.append((routing, hidden, _local_views(module, self.tensors)))
         module.__dict__[_LOCAL_VIEWS] = self._pending[-1][2]
         # weight 1 here: the router's weights are applied where the token lives (combine)
         ones = torch.ones(received.hidden.shape[0], 1, dtype=weights.dtype,
@@ -88,35 +111,36 @@ class ExpertParallelExperts:
         return dispatch.combine(output, routing, self.group, like=hidden)
 
 
-def _local_views(module: nn.Module) -> dict[str, torch.Tensor]:
+def _local_views(module: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
     """This rank's part of each expert weight, as FSDP gathered it for this forward: one
     differentiable view per forward, read by the module's forward (and by the hooks that
     note which parameters a forward used, ``parallel/unused_grads.py``)."""
     views: dict[str, torch.Tensor] = {}
-    for name in EXPERT_WEIGHTS:
+    for name in names:
         weight = module._parameters[name]
         assert weight is not None
         views[name] = weight.to_local() if isinstance(weight, DTensor) else weight
     return views
 
 
-def _bind(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    values = dict(zip(_ARGUMENTS, args, strict=False)) | kwargs
-    missing = [n for n in _ARGUMENTS if n not in values]
-    if missing or len(values) != len(_ARGUMENTS):
-        raise TypeError(f"an expert-parallel experts module takes (hidden_states, "
-                        f"top_k_index, top_k_weights); got {len(args)} positional arguments "
-                        f"and {sorted(kwargs)}")
-    return values["hidden_states"], values["top_k_index"], values["top_k_weights"]
+def _bind(args: tuple, kwargs: dict, names: tuple[str, ...]
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    values = dict(zip(names, args, strict=False)) | kwargs
+    if any(values.get(n) is None for n in names) or len(values) != len(names):
+        raise TypeError(f"an expert-parallel experts module takes ({', '.join(names)}); "
+                        f"got {len(args)} positional arguments and {sorted(kwargs)}")
+    hidden, index, weights = (values[n] for n in names)
+    return hidden, index, weights
 
 
 def _whole_weights_to_layout(module: nn.Module, state_dict: dict, prefix: str,
                              *args: object) -> None:
-    """``load_state_dict`` pre-hook: a whole expert weight given as a plain tensor (a full
-    state dict: FSDP1's ``FULL_STATE_DICT``, one process's) becomes this rank's part, laid
-    out as the module's DTensor (copying a tensor into a DTensor is refused)."""
-    for name in EXPERT_WEIGHTS:
-        held, given = module._parameters.get(name), state_dict.get(prefix + name)
+    """``load_state_dict`` pre-hook: a whole expert weight (or bias) given as a plain
+    tensor (a full state dict: FSDP1's ``FULL_STATE_DICT``, one process's) becomes this
+    rank's part, laid out as the module's DTensor (copying a tensor into a DTensor is
+    refused)."""
+    for name, held in module._parameters.items():
+        given = state_dict.get(prefix + name)
         if isinstance(held, DTensor) and isinstance(given, torch.Tensor) and \
                 not isinstance(given, DTensor) and given.shape == held.shape:
             state_dict[prefix + name] = distribute_tensor(
@@ -164,11 +188,20 @@ def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int,
             f"per expert, as Mixtral's, Qwen2-MoE's and Qwen3-MoE's in transformers 5); "
             f"set expert_parallel_degree to 1"))])
     size = dist.get_world_size(group)
+    unroutable = [f"{name} ({type(m).__name__})" for name, m in found
+                  if routed_arguments(m) is None]
+    if unroutable:
+        raise ConfigError([("expert_parallel_degree", (
+            f"{size}, but the experts modules {', '.join(unroutable[:2])} are not called "
+            f"with the router's choices (hidden_states, top_k_index, top_k_weights), which "
+            f"expert parallelism sends each rank's experts; expert parallelism of this "
+            f"model's experts is not built yet: set expert_parallel_degree to 1"))])
     for name, module in found:
         total = expert_count(module)
         assert total is not None
         experts = local_experts(total, ep_rank, size, where=name)
-        for weight in EXPERT_WEIGHTS:
+        tensors = expert_tensors(module)
+        for weight in tensors:
             whole = getattr(module, weight)
             held = whole.detach()[experts.first:experts.first + experts.count].clone()
             spread = DTensor.from_local(held, mesh, (Shard(0), Replicate(), Replicate()),
@@ -182,7 +215,9 @@ def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int,
         setattr(module, "num_experts", experts.count)  # noqa: B010
         module.__class__ = _reading_local_experts(type(module))
         module.register_load_state_dict_pre_hook(_whole_weights_to_layout)
-        share = ExpertParallelExperts(experts, group)
+        arguments = routed_arguments(module)
+        assert arguments is not None
+        share = ExpertParallelExperts(experts, group, tensors, arguments)
         module.register_forward_pre_hook(share.before, with_kwargs=True)
         module.register_forward_hook(share.after)
         state_of(module).expert_parallel = share
