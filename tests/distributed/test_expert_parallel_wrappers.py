@@ -20,10 +20,11 @@ from torch import nn
 
 
 def wrap(model: nn.Module, wrapper: str, strategy: str, orig: bool,
-         init: object = None, sync: bool = False) -> nn.Module:
-    """``model`` wrapped as a script would: FSDP1 (auto-wrapped per decoder layer, with
-    ``strategy``, ``use_orig_params=orig``, ``param_init_fn=init`` and
-    ``sync_module_states=sync``), mp.replicate or mp.shard (``param_init_fn=init``)."""
+         init: object = None, sync: bool = False, by_size: bool = False) -> nn.Module:
+    """``model`` wrapped as a script would: FSDP1 (auto-wrapped per decoder layer, or by
+    size with ``by_size``, with ``strategy``, ``use_orig_params=orig``,
+    ``param_init_fn=init`` and ``sync_module_states=sync``), mp.replicate or mp.shard
+    (``param_init_fn=init``)."""
     import modelparallel as tsm
 
     if wrapper == "replicate":
@@ -31,10 +32,14 @@ def wrap(model: nn.Module, wrapper: str, strategy: str, orig: bool,
     if wrapper == "shard":
         return tsm.shard(model, blocks=(type(model.model.layers[0]),), param_init_fn=init)
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import (
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
 
-    policy = functools.partial(transformer_auto_wrap_policy,
-                               transformer_layer_cls={type(model.model.layers[0])})
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=10_000) \
+        if by_size else functools.partial(transformer_auto_wrap_policy,
+                                          transformer_layer_cls={type(model.model.layers[0])})
     return FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=orig,
                                     sharding_strategy=ShardingStrategy[strategy],
                                     param_init_fn=init, sync_module_states=sync)
@@ -42,7 +47,8 @@ def wrap(model: nn.Module, wrapper: str, strategy: str, orig: bool,
 
 def wrapper_case(config: dict, wrapper: str, strategy: str = "FULL_SHARD",
                  orig: bool = True, clip: str = "tsm", delayed: bool = False,
-                 family: str = "mixtral", sync: bool = False) -> tuple[list[str], dict]:
+                 family: str = "mixtral", sync: bool = False,
+                 by_size: bool = False) -> tuple[list[str], dict]:
     """This rank's run: what differs from one process (empty when nothing does), and the
     largest differences (:func:`largest`). With
     ``sync``, the ranks past the first expert-parallel group start from other values (as
@@ -76,7 +82,7 @@ def wrapper_case(config: dict, wrapper: str, strategy: str = "FULL_SHARD",
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01)
-    model = wrap(model, wrapper, strategy, orig, init, sync)
+    model = wrap(model, wrapper, strategy, orig, init, sync, by_size)
     opt = optimizer(model)
     index, count = replica_rank_and_size()
     rows = ROWS // count
@@ -159,6 +165,7 @@ def test_fsdp1_with_expert_parallelism_trains_as_one_process(workers):
              (4, hybrid, dict(strategy="HYBRID_SHARD", orig=False, clip="fsdp1")),
              (4, hybrid, dict(strategy="FULL_SHARD", orig=True, sync=True)),
              (4, ep2, dict(strategy="FULL_SHARD", orig=False)),
+             (4, hybrid, dict(strategy="SHARD_GRAD_OP", orig=False, by_size=True)),
              (4, {"expert_parallel_degree": 4}, dict(strategy="FULL_SHARD", orig=True,
                                                      family="qwen2_moe"))]
     for world, config, kwargs in cases:
