@@ -121,7 +121,7 @@ ATTRIBUTES = {
         "mp.replicate: DDP leaves the split experts to their FSDP2 units"),
     "_process_group": Private(
         "ShardedTensor instances", "the group torch's sharded optimizer loader chunks an "
-        "expert's state over", "tests/distributed/test_expert_parallel_wrappers.py::"
+        "expert's state over", "tests/distributed/test_expert_parallel_fsdp1_checkpoint.py::"
         "test_fsdp1_sharded_checkpoint_with_expert_parallelism_resumes"),
     "_get_default_group": Private("torch.distributed.distributed_c10d",
                                   "FSDP1's default group vs ours"),

@@ -20,7 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp import DataParallelMeshDims, ShardingStrategy
+from torch.distributed.fsdp import (
+    DataParallelMeshDims,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from modelparallel.context import ParallelContext
@@ -50,7 +55,7 @@ def for_fsdp1(module: nn.Module, ctx: ParallelContext,
     if materialize is None and arguments.get("sync_module_states"):
         _synchronize(experts, ctx)
     keep_gathered = arguments.get("sharding_strategy") in _KEEP_GATHERED
-    shard_experts(module, ctx, fsdp2_policy(ctx.precision), materialize,
+    shard_experts(module, ctx, _precision(arguments.get("mixed_precision"), ctx), materialize,
                   reshard_after_forward=not keep_gathered)
     out = dict(arguments)
     if out.get("ignored_modules") is not None:  # FSDP1 takes one of the two
@@ -78,6 +83,14 @@ def for_replicate(model: nn.Module, ctx: ParallelContext) -> None:
     names = [name for name, p in model.named_parameters() if id(p) in held]
     # private, and the only way to keep DDP off some parameters (torch's own callers use it)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def _precision(given: MixedPrecision | None, ctx: ParallelContext) -> MixedPrecisionPolicy:
+    """The experts' FSDP2 precision: the script's FSDP1 ``mixed_precision`` (its layers
+    hand the experts hidden states in its ``param_dtype``), else the configuration's."""
+    if given is None:
+        return fsdp2_policy(ctx.precision)
+    return MixedPrecisionPolicy(param_dtype=given.param_dtype, reduce_dtype=given.reduce_dtype)
 
 
 def _materializer(model: nn.Module, ctx: ParallelContext,
