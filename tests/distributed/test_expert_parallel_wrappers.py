@@ -50,13 +50,14 @@ def wrap(model: nn.Module, wrapper: str, strategy: str, orig: bool,
 
 def wrapper_case(config: dict, wrapper: str, strategy: str = "FULL_SHARD",
                  orig: bool = True, clip: str = "tsm", delayed: bool = False,
-                 family: str = "mixtral", sync: bool = False,
-                 by_size: bool = False) -> tuple[list[str], dict]:
+                 family: str = "mixtral", sync: bool = False, by_size: bool = False,
+                 accumulate: bool = False) -> tuple[list[str], dict]:
     """This rank's run: what differs from one process (empty when nothing does), and the
     largest differences (:func:`largest`). With
     ``sync``, the ranks past the first expert-parallel group start from other values (as
     scripts seeding with their rank) and the wrapper starts them from the first ones'
-    (FSDP1's ``sync_module_states``; mp.replicate always does)."""
+    (FSDP1's ``sync_module_states``; mp.replicate always does). With ``accumulate``, each
+    rank's rows go through two backward passes, the first under ``no_sync()``."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -93,8 +94,16 @@ def wrapper_case(config: dict, wrapper: str, strategy: str = "FULL_SHARD",
     for ids in batches():
         ids = ids[index * rows:(index + 1) * rows]
         opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        if accumulate:  # half the rows each, the mean of the two losses
+            with model.no_sync():
+                first = model(input_ids=ids[:rows // 2], labels=ids[:rows // 2]).loss / 2
+                first.backward()
+            loss = model(input_ids=ids[rows // 2:], labels=ids[rows // 2:]).loss / 2
+            loss.backward()
+            loss = loss.detach() + first.detach()
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
         norm = model.clip_grad_norm_(1e9) if clip == "fsdp1" else \
             clip_grad_norm_(model, 1e9)
         norms.append(float(norm))
@@ -170,6 +179,7 @@ def test_fsdp1_with_expert_parallelism_trains_as_one_process(workers):
              (4, hybrid, dict(strategy="FULL_SHARD", orig=True, sync=True)),
              (4, ep2, dict(strategy="FULL_SHARD", orig=False)),
              (4, hybrid, dict(strategy="SHARD_GRAD_OP", orig=False, by_size=True)),
+             (2, ep2, dict(strategy="FULL_SHARD", orig=True, accumulate=True)),
              (4, {"expert_parallel_degree": 4}, dict(strategy="FULL_SHARD", orig=True,
                                                      family="qwen2_moe"))]
     for world, config, kwargs in cases:
