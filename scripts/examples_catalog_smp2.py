@@ -124,6 +124,40 @@ def _smp2_cp(comm_type: str) -> Example:
 
 SMP2_CP = [_smp2_cp("p2p"), _smp2_cp("all_gather")]
 
+# Mixtral in the scripts' MoE mode (SMP's own MoE layer: --use_smp_implementation 1 builds
+# MoEConfig(smp_moe=True)), experts split over 2 ranks, each expert replicated over 2
+# (hybrid shard 2) on 4 ranks. The dummy data ignores the data-parallel rank, so one process
+# with the same --train_batch_size sees the same global batch: batch 0's loss and gradient
+# norm are compared (--compare-one-process). --moe_load_balancing aux_loss: the script's
+# default, sinkhorn, balances each rank's own token set, which differs from one process's.
+SMP2_MOE = _smp2(
+    "smp2-moe-ep2", {"expert_parallel_degree": 2, "hybrid_shard_degree": 2},
+    ["--model_type", "mixtral", "--intermediate_size", "128", "--num_key_value_heads", "2",
+     "--num_local_experts", "4", "--num_experts_per_tok", "2", "--moe", "1",
+     "--moe_load_balancing", "aux_loss", "--use_smp_implementation", "1",
+     "--max_steps", "4"],
+    "SMP v2 Mixtral, SMP's MoE layer (aux_loss), expert parallel 2 x hybrid shard 2 on 4 "
+    "ranks, delayed parameter init, activation checkpointing, a sharded checkpoint, then a "
+    "resume",
+    nproc=4,
+    then=["--resume_from_checkpoint", "{dest}/checkpoints/mixtral-4steps", "--max_steps", "6"],
+    # the launcher's line: the layout the run took (the script logs no expert-parallel size)
+    success=r"expert_parallel_degree: 1 -> 2[\s\S]*?FSDP training finished successfully",
+    edits=[*V2_EDITS, Edit(
+        "logging_utils.py", "gradnorm: %.4f", "gradnorm: %.9g", "log",
+        "the gradient norm to 9 digits, not 4 decimals: compared with one process's"),
+        *[Edit("checkpoints.py",
+               f"        if expert_parallel_degree > 1:\n            {d} = os.path.join(\n"
+               f"                {d}, f\"ep{{expert_parallel_degree}}-{{state.ep_rank}}\"\n"
+               f"            )\n", "", "world",
+               "one sharded checkpoint for every expert-parallel rank: SMP's FSDP process "
+               "group holds one expert-parallel rank (a directory each), ours all of them "
+               "(the experts are saved at their global index, docs/expert-parallel.md)",
+               count=2) for d in ("save_dir", "checkpoint_dir")]],
+    one_process=OneProcess(
+        env={"SM_HP_MP_PARAMETERS": json.dumps({"hybrid_shard_degree": 1})},
+        figures=r"Batch 0 Loss: (?P<loss>\S+), .*gradnorm: (?P<grad_norm>\S+)"))
+
 AWSOME = "aws-samples/awsome-distributed-training"
 ADT_DIR = "3.test_cases/11.modelparallel"
 ADT_FILES = [f for f in V2_FILES if f not in ("train.py", "utils.py", "data_utils.py")]
@@ -164,4 +198,4 @@ ADT_SMP2 = Example(
     success=r"FSDP training finished successfully",
     then=["--resume_from_checkpoint", "{dest}/checkpoints/gpt_neox-4steps", "--max_steps", "6"],
 )
-SMP2_EXAMPLES: list[Example] = [SMP2_TP, SMP2_FSDP, *SMP2_CP, ADT_SMP2]
+SMP2_EXAMPLES: list[Example] = [SMP2_TP, SMP2_FSDP, *SMP2_CP, SMP2_MOE, ADT_SMP2]

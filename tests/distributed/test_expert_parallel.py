@@ -80,7 +80,11 @@ def reference(family: str = "mixtral", idle: bool = False
               ) -> tuple[list[float], dict, dict, float, list[float]]:
     """One process's losses, parameters and momentum buffers, the largest gradient any
     step gave expert ``IDLE``, and each step's gradient norm."""
-    model = build(family, idle)
+    return one_process(build(family, idle))
+
+
+def one_process(model: nn.Module) -> tuple[list[float], dict, dict, float, list[float]]:
+    """:func:`reference`'s figures for ``model`` trained on the whole batches."""
     opt = optimizer(model)
     losses, idle_grad, norms = [], 0.0, []
     for ids in batches():
@@ -203,7 +207,8 @@ def refusals_case() -> dict[str, str]:
                      f"{tsm.state.expert_parallel_degree}")}
     plain = MoEConfig(smp_moe=False, moe_load_balancing="none")
     got["shard untransformed"] = message(lambda: tsm.shard(build()))
-    got["replicate"] = message(lambda: tsm.replicate(tsm.transform(build(), config=plain)))
+    got["replicate untransformed"] = message(lambda: tsm.replicate(build()))
+    got["FSDP1 untransformed"] = message(lambda: _fsdp1(build()))
     got["DistributedModel"] = message(lambda: tsm.DistributedModel(build()))
     got["smp_moe"] = message(lambda: tsm.transform(build(), config=MoEConfig()))
     got["sinkhorn"] = message(lambda: tsm.transform(
@@ -233,6 +238,12 @@ def refusals_case() -> dict[str, str]:
     return got
 
 
+def _fsdp1(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model)
+
+
 @contextlib.contextmanager
 def _captured_notices():
     """The WARNING lines the ``modelparallel`` logger writes meanwhile."""
@@ -260,8 +271,10 @@ def test_state_and_misuse_are_refused_in_one_message(workers):
         assert "the model given to mp.shard() was not split over the expert-parallel " \
                "ranks: call tsm.transform(model, config=MoEConfig(smp_moe=False, " \
                "moe_load_balancing='none')) first" in got["shard untransformed"]
-        assert "expert_parallel_degree: 2 with mp.replicate() is not built yet" in \
-            got["replicate"]
+        for call, name in [("mp.replicate()", "replicate"),
+                           ("FullyShardedDataParallel", "FSDP1")]:
+            assert f"the model given to {call} was not split over the expert-parallel " \
+                   f"ranks" in got[f"{name} untransformed"]
         assert "mp.DistributedModel (SMP v1) does not split experts" in \
             got["DistributedModel"]
         assert got["smp_moe"] == "no error"  # SMP's own MoE layer: test_smp_moe.py

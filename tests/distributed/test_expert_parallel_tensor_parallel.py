@@ -224,7 +224,8 @@ def test_a_checkpoint_saved_at_ep_tp_resumes_without_them_and_back(workers, tmp_
 
 def state_case() -> dict[str, object]:
     """SMP v2's expert- and tensor-parallel state attributes on this rank, which experts
-    it holds, and the refusal of a model tensor parallelism does not split."""
+    it holds, the refusal of a model tensor parallelism does not split, and of
+    ``mp.replicate`` (ep x tp is built under ``mp.shard``)."""
     import warnings
 
     import torch.distributed as dist
@@ -245,7 +246,13 @@ def state_case() -> dict[str, object]:
         unsplit = "no error"
     except ConfigError as e:
         unsplit = str(e)
-    return {"unsplit": unsplit,"ep": (tsm.state.ep_rank, tsm.state.ep_size,
+    try:  # expert and tensor parallelism are built under mp.shard only
+        tsm.replicate(tsm.transform(build(), config=moe_config(False)))
+        replicated = "no error"
+    except ConfigError as e:
+        replicated = str(e)
+    return {"unsplit": unsplit, "replicate": replicated,
+            "ep": (tsm.state.ep_rank, tsm.state.ep_size,
                    dist.get_process_group_ranks(tsm.state.ep_process_group)),
             "tp": (tsm.state.tp_rank, tsm.state.tp_size),
             "held": torch.equal(held.to_local(), whole[first:first + 2].detach()),
@@ -260,6 +267,8 @@ def test_state_attributes_name_the_data_parallel_ranks_of_a_tensor_parallel_rank
         assert "expert_parallel_degree: 2 with tensor_parallel_degree=2 needs a model " \
                "tensor parallelism splits (Mixtral, Qwen2-MoE and Qwen3-MoE have plans); " \
                "OlmoeForCausalLM has none" in got.pop("unsplit"), rank
+        assert "expert_parallel_degree: 2 with tensor_parallel_degree 2 under " \
+               "mp.replicate() is not built yet" in got.pop("replicate"), rank
         group = [rank % 2, rank % 2 + 2]
         assert got == {"ep": (rank // 2, 2, group), "tp": (rank % 2, 2), "held": True,
                        "mesh": group}, rank

@@ -116,6 +116,13 @@ ATTRIBUTES = {
     "_param_extensions": Private("FlatParameter instances", "the same", FSDP1),
     "_saved_grad_shard": Private("FlatParameter instances", "a gradient gathered on purpose",
                                  FSDP1),
+    "_set_params_and_buffers_to_ignore_for_model": Private(
+        "torch.nn.parallel.DistributedDataParallel",
+        "mp.replicate: DDP leaves the split experts to their FSDP2 units"),
+    "_process_group": Private(
+        "ShardedTensor instances", "the group torch's sharded optimizer loader chunks an "
+        "expert's state over", "tests/distributed/test_expert_parallel_fsdp1_checkpoint.py::"
+        "test_fsdp1_sharded_checkpoint_with_expert_parallelism_resumes"),
     "_get_default_group": Private("torch.distributed.distributed_c10d",
                                   "FSDP1's default group vs ours"),
     "_get_default_store": Private("torch.distributed.distributed_c10d",

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import sagemaker_examples
-from examples_catalog_smp2 import SMP2_CP
+from examples_catalog_smp2 import SMP2_CP, SMP2_MOE
 
 # The shared-scripts' line (logging_utils.py) with the catalog's gradnorm edit (%.9g).
 LINE = ("[rank0]: 2026-11-28 23:35:10 I [logging_utils.py:134] Batch {step} Loss: {loss}, "
@@ -66,3 +66,20 @@ def test_cp_examples_ask_for_context_parallel_2_on_4_ranks():
                 "FSDP training finished successfully")
         assert re.search(example.success, line)
         assert not re.search(example.success, line.replace(f"{gbs:10d}", f"{2 * gbs:10d}"))
+
+
+def test_moe_example_asks_for_expert_parallel_2_by_hybrid_shard_2_on_4_ranks():
+    params = json.loads(SMP2_MOE.env["SM_HP_MP_PARAMETERS"])
+    assert params == {"expert_parallel_degree": 2, "hybrid_shard_degree": 2}
+    assert SMP2_MOE.nproc == 4
+    args = dict(zip(SMP2_MOE.args[::2], SMP2_MOE.args[1::2], strict=True))
+    assert (args["--model_type"], args["--moe"], args["--use_smp_implementation"],
+            args["--num_local_experts"], args["--num_experts_per_tok"],
+            args["--hidden_width"], args["--num_layers"]) == (
+        "mixtral", "1", "1", "4", "2", "64", "2")
+    assert args["--moe_load_balancing"] == "aux_loss"  # sinkhorn depends on a rank's tokens
+    assert SMP2_MOE.one_process is not None
+    one = json.loads(SMP2_MOE.one_process.env["SM_HP_MP_PARAMETERS"])
+    assert one.get("expert_parallel_degree", 1) == 1
+    # no edit touches how the scripts build the MoEConfig
+    assert not any("MoEConfig" in e.old or "smp_moe" in e.old for e in SMP2_MOE.edits)

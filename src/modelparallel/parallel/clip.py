@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
-from modelparallel.parallel import fsdp1_torch
+from modelparallel.parallel import expert_parallel, fsdp1_torch
 
 
 def clip_grad_norm_(model: nn.Module | Iterable[torch.Tensor], max_norm: float,
@@ -24,14 +24,15 @@ def clip_grad_norm_(model: nn.Module | Iterable[torch.Tensor], max_norm: float,
     one collective per mesh; plain gradients (replicated) count once; a pipeline-split
     ``DistributedModel`` adds up its stages (a parameter several stages hold counts
     once). An FSDP1 model uses its own ``clip_grad_norm_`` (:func:`fsdp1_clip_grad_norm_`
-    when it holds tensor-parallel parameters); a module that holds FSDP1 units inside
-    (torch's ``offload_wrapper`` or ``checkpoint_wrapper`` around the FSDP1 root, as
+    when it holds tensor-parallel parameters or split experts); a module that holds FSDP1
+    units inside (torch's ``offload_wrapper`` or ``checkpoint_wrapper`` around the FSDP1 root, as
     SMP v2's scripts have it) uses :func:`fsdp1_clip_grad_norm_`. Same arguments as
     ``torch.nn.utils.clip_grad_norm_``; the returned norm is a plain tensor, equal on
     every rank.
     """
     if isinstance(model, FullyShardedDataParallel):
-        if fsdp1_torch.holds_split_params(model):
+        if fsdp1_torch.holds_split_params(model) or \
+                expert_parallel.split_experts(model.module):
             return fsdp1_clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite,
                                          foreach)
         return model.clip_grad_norm_(max_norm, norm_type)

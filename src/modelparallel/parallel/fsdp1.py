@@ -52,6 +52,7 @@ from torch.distributed.fsdp import (
 from modelparallel.context import ParallelContext
 from modelparallel.module_state import state_of
 from modelparallel.parallel import (
+    expert_parallel,
     fsdp1_limits,
     fsdp1_state,
     fsdp1_torch,
@@ -139,13 +140,14 @@ def _replicate_with_tp_group(ctx: ParallelContext) -> dist.ProcessGroup:
 
 def _adopt(model: FullyShardedDataParallel, split: bool, ctx: ParallelContext) -> None:
     """After construction with our groups: our state dicts, and our clipping when
-    tensor parallelism split the model."""
+    tensor parallelism split the model or expert parallelism its experts (FSDP2 units
+    FSDP1 ignores: DTensors on the experts' mesh)."""
     for unit in FullyShardedDataParallel.fsdp_modules(model):
         state = state_of(unit)
         state.fsdp1_policy = True  # read by fsdp1_torch: only models we wrapped are changed
         state.fsdp1_root_mesh = ctx.mesh  # whole-tensor state dicts are laid on it (fsdp1_state)
     fsdp1_torch.use_local_state_dicts(model)
-    if split:
+    if split or expert_parallel.split_experts(model.module):  # FSDP1's own misses them
         model.clip_grad_norm_ = functools.partial(  # type: ignore[method-assign]
             fsdp1_clip_grad_norm_, model)
         model.register_state_dict_post_hook(fsdp1_state.full_tensors)

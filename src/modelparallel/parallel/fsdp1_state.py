@@ -1,4 +1,6 @@
-"""FSDP1's state dicts of a tensor-parallel model, keyed and shaped as for one process.
+"""FSDP1's state dicts of a tensor-parallel model (or one whose experts expert
+parallelism split: ``expert_parallel/fsdp1_states.py``), keyed and shaped as for one
+process.
 
 - ``FULL_STATE_DICT`` (model and ``FSDP.optim_state_dict``) holds whole tensors, not
   tensor-parallel parts; ``FSDP.optim_state_dict_to_load`` takes them back
@@ -23,6 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modelparallel.module_state import lookup
 from modelparallel.parallel import fsdp1_torch
+from modelparallel.parallel.expert_parallel.fsdp1_states import expert_params, states_to_load
 
 
 def full_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str,
@@ -66,7 +69,7 @@ def _optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     tensor-parallel peers then had nothing to gather with). Here every rank gathers the
     whole tensors together, then ``rank0_only`` keeps them on rank 0 of ``group``."""
     split = fsdp1_torch.split_params(model)
-    settings = _full_type(model, split)
+    settings = _full_type(model, split or expert_params(model))
     if settings is None:
         return _original_optim_state_dict(model, optim, optim_state_dict,
                                           _key_group(split, group))
@@ -105,13 +108,14 @@ def _optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
     :func:`_optim_state_dict` gives) become this rank's part before FSDP1 flattens them
     (FSDP1 would cut its shard out of the whole tensor as if it were this rank's part)."""
     split = fsdp1_torch.split_params(model)
-    settings = _full_type(model, split)
+    experts = expert_params(model)
+    settings = _full_type(model, split or experts)
     if settings is not None and optim_state_dict and "state" in optim_state_dict:
         if getattr(settings.optim_state_dict_config, "rank0_only", False):
-            raise ValueError("an FSDP1 model with tensor-parallel parameters cannot load a "
-                             "full optimizer state with rank0_only=True (rank 0's "
-                             "tensor-parallel part would reach every rank); load it on "
-                             "every rank with rank0_only=False")
+            raise ValueError("an FSDP1 model with tensor-parallel parameters or split "
+                             "experts cannot load a full optimizer state with "
+                             "rank0_only=True (rank 0's part would reach every rank); load "
+                             "it on every rank with rank0_only=False")
         per_param = dict(optim_state_dict["state"])
         for fqn in sorted(per_param, key=str):
             param = split.get(fqn) if isinstance(fqn, str) else None
@@ -119,6 +123,9 @@ def _optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
                 per_param[fqn] = {name: _part(value, param)
                                   for name, value in sorted(per_param[fqn].items())}
         optim_state_dict = {**optim_state_dict, "state": per_param}
+    if experts and optim_state_dict and "state" in optim_state_dict:  # FSDP1 ignores them
+        optim_state_dict = {**optim_state_dict, "state": states_to_load(
+            model, optim_state_dict["state"])}
     return _original_optim_state_dict_to_load(model, optim, optim_state_dict,
                                               is_named_optimizer, load_directly,
                                               _key_group(split, group))

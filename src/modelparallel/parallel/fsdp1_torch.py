@@ -213,7 +213,8 @@ _optim_load_group: list[Any] = [None]
 def _get_state_dict_2d_layout(state_dict):
     layout, group = _torch_2d_layout(state_dict)
     _optim_load_group[0] = None
-    meshes = {v.device_mesh for v in state_dict.values() if isinstance(v, DTensor)}
+    meshes = {v.device_mesh for v in state_dict.values() if isinstance(v, DTensor)  # not
+              and "ep_index" not in (v.device_mesh.mesh_dim_names or ())}  # FSDP2's experts
     if group is None and meshes and all(m in _LOCAL_MESHES for m in meshes):
         # _LocalShardExtensions shards on the mesh's last dim, the group FSDP1 gathers over
         groups = {m.get_group(m.ndim - 1) for m in meshes}

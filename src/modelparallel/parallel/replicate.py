@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from modelparallel.config import ConfigError
 from modelparallel.context import ParallelContext
-from modelparallel.parallel import replicas
+from modelparallel.parallel import expert_parallel, replicas
 from modelparallel.parallel.blocks import find_blocks
 from modelparallel.parallel.precision import compute_as
 from modelparallel.parallel.sharding import replicate_on_tp, say_what_does_not_apply
@@ -31,6 +31,8 @@ def replicate(model: nn.Module, ctx: ParallelContext, **ddp_kwargs: Any) -> nn.M
     machinery, one gradient bucket per block) and returned as it is: classic DDP does
     not understand DTensor parameters; its whole parameters become ``Replicate()``
     DTensors on ``tp`` first, as under ``mp.shard`` (``sharding.replicate_on_tp``).
+    Experts expert parallelism split are replicated over the ranks holding the same
+    experts, outside DDP (``expert_parallel/wrappers.py``).
     ``bf16``/``fp16`` make the forward and backward compute in that type with float32
     parameters and gradients (with ``fp16``, scale the loss with :class:`mp.LossScaler`).
     """
@@ -38,7 +40,8 @@ def replicate(model: nn.Module, ctx: ParallelContext, **ddp_kwargs: Any) -> nn.M
     say_what_does_not_apply(ctx, "mp.replicate()")
     blocks = find_blocks(model)
     compute_as(model, ctx.precision, blocks)
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    experts = {id(p) for p in expert_parallel.expert_parameters(model)}  # FSDP2's already
+    if any(isinstance(p, DTensor) and id(p) not in experts for p in model.parameters()):
         if ddp_kwargs:
             raise TypeError(f"mp.replicate() of a tensor-parallel model takes no DDP arguments "
                             f"(got {sorted(ddp_kwargs)})")

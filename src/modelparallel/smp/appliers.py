@@ -22,6 +22,7 @@ from modelparallel.parallel import replicate as replicating
 from modelparallel.parallel.blocks import BlockSpec
 from modelparallel.parallel.context_parallel.ring import COMM_TYPES
 from modelparallel.parallel.expert_parallel import smp_layer
+from modelparallel.parallel.expert_parallel import wrappers as expert_wrappers
 from modelparallel.parallel.tensor import transform as splitting  # the module
 from modelparallel.smp.state import state
 from modelparallel.smp.v2.moe import MoEConfig
@@ -92,11 +93,12 @@ def shard(model: nn.Module, *, blocks: BlockSpec = None, reshard_after_forward: 
 def replicate(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
     ctx = state.require("mp.replicate()").context
     context_parallel.require_split(model, ctx, "mp.replicate()")
-    expert_parallel.require_split(model, ctx, "mp.replicate()")
     group = ctx.gradient_group(splitting.tp_ranks_are_replicas(
         model, ctx.topology.tp))
     before = dict(model.named_parameters())
     expert_parallel.balance_over_batch(model, ctx)
+    # the split experts: FSDP2 units replicated over their holders, which DDP leaves alone
+    expert_wrappers.for_replicate(model, ctx)
     model = replicating.replicate(model, ctx, **ddp_kwargs)
     stale_params.record_replaced(before, model, "mp.replicate()")  # DDP: none
     # a tensor-parallel model's replicas are FSDP2's (DDP finds unused parameters itself)

@@ -32,8 +32,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from modelparallel.module_state import lookup
 from modelparallel.parallel import deferred, delayed_init
 from modelparallel.parallel.delayed_init import init_empty_weights
+from modelparallel.parallel.expert_parallel.hugging_face import is_experts_module
 from modelparallel.parallel.placement import is_meta
 from modelparallel.smp.state import state
 from modelparallel.smp.v1 import tensor_parallelism as tp_marking
@@ -82,8 +84,11 @@ class DelayedParamIniter:
     with ``init_method_using_config(module)`` when given, else by type — ``nn.Linear``,
     Hugging Face ``Conv1D`` and ``nn.Embedding`` weights from N(0, ``initializer_range``
     of the model's ``config``, else 0.02) with a zero padding row, biases 0, layer and
-    RMS norm weights 1; a module of another type uses its ``reset_parameters()``, or is
-    an error naming it. Buffers are moved to the device. Tied parameters stay tied.
+    RMS norm weights 1, a mixture-of-experts layer's fused expert weights (Mixtral's,
+    Qwen-MoE's ``gate_up_proj`` and ``down_proj``) and its router's (``...TopKRouter``)
+    from N(0, ``initializer_range``); a module of another type uses its
+    ``reset_parameters()``, or is an error naming it. Buffers are moved to the device.
+    Tied parameters stay tied.
 
     Each parameter draws from its own random stream, seeded from ``torch.initial_seed()``
     at construction and the parameter's name: values do not depend on the order FSDP
@@ -224,8 +229,13 @@ class DelayedParamIniter:
 
 
 def _known(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, nn.Embedding)) or \
-        type(module).__name__ == "Conv1D" or type(module).__name__.endswith(_NORMS)
+    # a mixture-of-experts layer's fused 3-D expert weights (whole, or this rank's when
+    # expert parallelism split them) and its router's weight (Hugging Face's
+    # MixtralTopKRouter, Qwen2MoeTopKRouter, ...): N(0, initializer_range), as Hugging Face's
+    experts = is_experts_module(module) or lookup(module, "expert_parallel") is not None
+    name = type(module).__name__
+    return isinstance(module, (nn.Linear, nn.Embedding)) or experts or \
+        name == "Conv1D" or name.endswith(_NORMS) or name.endswith("TopKRouter")
 
 
 def _seed(base: int, key: str) -> int:

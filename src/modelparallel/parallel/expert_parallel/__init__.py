@@ -6,9 +6,11 @@ all-to-all.
 all-to-all, ``dispatch.py`` sends each token's choices to their experts and combines the
 results, ``hugging_face.py`` finds a Hugging Face model's experts modules and splits
 them, ``sharding.py`` shards the experts with FSDP2 over the ranks that hold the same
-experts, ``router_loss.py`` computes a model's load-balancing loss over the whole batch,
-``smp_layer.py`` and ``smp_router.py`` are SMP's own MoE layer (``smp_moe=True``),
-``token_shuffle.py`` its global token shuffle (docs/expert-parallel.md).
+experts (``wrappers.py``: under torch's FSDP1 and ``mp.replicate`` too,
+``fsdp1_states.py``: their FSDP1 optimizer state dicts), ``router_loss.py`` computes a
+model's load-balancing loss over the whole batch, ``smp_layer.py`` and ``smp_router.py``
+are SMP's own MoE layer (``smp_moe=True``), ``token_shuffle.py`` its global token
+shuffle (docs/expert-parallel.md).
 """
 
 from __future__ import annotations
@@ -110,16 +112,17 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def require_split(model: nn.Module, ctx: ParallelContext, call: str) -> None:
-    """Refuse what ``expert_parallel_degree`` > 1 would train wrong or not as asked: a model
-    ``tsm.transform`` did not split, and wrappers other than ``mp.shard`` (whose gradient
-    averaging over the ranks holding each expert is not built)."""
+    """Refuse a model ``tsm.transform`` did not split when ``expert_parallel_degree`` > 1:
+    ``call`` (``mp.shard()``, ``mp.replicate()``, FSDP1) would train every expert on
+    every rank, not as asked; and tensor parallelism with it under a wrapper other than
+    ``mp.shard`` (not built)."""
     if ctx.topology.ep == 1:
         return
-    if call != "mp.shard()":
+    if ctx.topology.tp > 1 and call != "mp.shard()":
         raise ConfigError([("expert_parallel_degree", (
-            f"{ctx.topology.ep} with {call} is not built yet (the experts' gradients are "
-            f"averaged over the ranks holding them by mp.shard only); wrap the model with "
-            f"mp.shard(), or set expert_parallel_degree to 1"))])
+            f"{ctx.topology.ep} with tensor_parallel_degree {ctx.topology.tp} under {call} "
+            f"is not built yet (expert and tensor parallelism together are built under "
+            f"mp.shard); wrap the model with mp.shard(), or set one of the two to 1"))])
     if not split_experts(model):
         raise ConfigError([("expert_parallel_degree", (
             f"{ctx.topology.ep}, but the model given to {call} was not split over the "

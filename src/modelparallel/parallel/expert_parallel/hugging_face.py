@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from modelparallel.errors import ConfigError
 from modelparallel.module_state import lookup, state_of
@@ -133,6 +133,21 @@ def _bind(args: tuple, kwargs: dict, names: tuple[str, ...]
     return hidden, index, weights
 
 
+def _whole_weights_to_layout(module: nn.Module, state_dict: dict, prefix: str,
+                             *args: object) -> None:
+    """``load_state_dict`` pre-hook: a whole expert weight (or bias) given as a plain
+    tensor (a full state dict: FSDP1's ``FULL_STATE_DICT``, one process's) becomes this
+    rank's part, laid out as the module's DTensor (copying a tensor into a DTensor is
+    refused)."""
+    for name, held in module._parameters.items():
+        given = state_dict.get(prefix + name)
+        if isinstance(held, DTensor) and isinstance(given, torch.Tensor) and \
+                not isinstance(given, DTensor) and given.shape == held.shape:
+            state_dict[prefix + name] = distribute_tensor(
+                given.to(held.device), held.device_mesh, held.placements,
+                src_data_rank=None)  # this rank's part, no traffic
+
+
 _LOCAL_READERS: dict[type, type] = {}
 _LOCAL_VIEWS = "_expert_parallel_views"  # instance attribute: the forward's local weights
 
@@ -192,11 +207,14 @@ def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int,
             spread = DTensor.from_local(held, mesh, (Shard(0), Replicate(), Replicate()),
                                         run_check=False, shape=whole.shape,
                                         stride=whole.stride())
-            setattr(module, weight, nn.Parameter(spread, requires_grad=whole.requires_grad))
+            # not setattr: a script may transform inside accelerate's init_empty_weights(),
+            # whose register_parameter rebuilds a parameter by its class (DTensor's fails)
+            module._parameters[weight] = nn.Parameter(spread, requires_grad=whole.requires_grad)
         # what the module's own forward indexes (setattr: mypy types module attributes
         # as tensors or modules)
         setattr(module, "num_experts", experts.count)  # noqa: B010
         module.__class__ = _reading_local_experts(type(module))
+        module.register_load_state_dict_pre_hook(_whole_weights_to_layout)
         arguments = routed_arguments(module)
         assert arguments is not None
         share = ExpertParallelExperts(experts, group, tensors, arguments)

@@ -21,6 +21,7 @@ from modelparallel.parallel import (
     fsdp1_state,
     fsdp1_torch,
 )
+from modelparallel.parallel.expert_parallel import wrappers as expert_wrappers
 
 if TYPE_CHECKING:
     from modelparallel.smp.state import State
@@ -47,8 +48,9 @@ def install(state: State) -> None:
                          if k not in ("self", "module")}
             if not _constructing:  # the root (its auto-wrap makes the inner units)
                 context_parallel.require_split(module, ctx, "FullyShardedDataParallel")
-                expert_parallel.require_split(module, ctx, "FullyShardedDataParallel")
                 expert_parallel.balance_over_batch(module, ctx)
+                # the split experts: FSDP2 units of their own, which FSDP1 leaves alone
+                arguments = expert_wrappers.for_fsdp1(module, ctx, arguments)
             _constructing.append(module)
             try:
                 fsdp1.construct(self, module, arguments, ctx, _original_init)
