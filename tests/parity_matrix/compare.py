@@ -66,7 +66,6 @@ from parity_matrix.train import RunResult
 
 UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 FLOAT32_UNIT = UNIT_ROUNDOFF["fp32"]  # parameters and optimizer state are stored in float32
-TOLERANCE = {"fp32": 1e-5, "bf16": 10 * UNIT_ROUNDOFF["bf16"], "fp16": 10 * UNIT_ROUNDOFF["fp16"]}
 
 
 NOISE_MARGIN = 3.0  # times the round-off one process carries (measured, above)
@@ -79,6 +78,14 @@ EXACT_TOLERANCE = 1e-10
 # not the precision policy (casts, loss scaling), and a wrong policy errs by a share of
 # the tensor itself; round-off measured up to 4.3x in bf16 (above)
 HALF_CAP = 10.0
+# fp64: the mixture-of-experts cases, the model and data in float64 so that round-off
+# cannot flip a router's top-k choice (the hidden states of a layout and of one process
+# agree to float64 round-off, so their routers' probabilities to one float32 unit), judged
+# against the float64 answer itself. Their routers and Hugging Face's eager attention
+# compute their softmax in float32, so routing and attention weights carry float32
+# round-off (measured up to 1.4e-7 of a tensor's change): the fp32 tolerance holds.
+TOLERANCE = {"fp32": 1e-5, "bf16": 10 * UNIT_ROUNDOFF["bf16"], "fp16": 10 * UNIT_ROUNDOFF["fp16"],
+             "fp64": 1e-5}
 
 
 def problems(case: Case, results: list[RunResult], ref: RunResult | None,
@@ -129,18 +136,20 @@ def problems(case: Case, results: list[RunResult], ref: RunResult | None,
             found.append(f"{what}s in the run that one process does not have: {extra[:5]}")
         # without the float64 answer a tensor holding only round-off (a zero-gradient
         # bias) cannot be told from a wrong one: below one float32 unit of the largest
-        # value of its kind, a difference is noise
-        noise = FLOAT32_UNIT * max((t.float().abs().max().item() for t in want.values()
-                                    if t.numel()), default=0.0)
+        # value of its kind, a difference is noise (fp64 cases route in float32 too);
+        # fp64 tensors are compared in float64
+        dtype = torch.float64 if case.precision == "fp64" else torch.float32
+        noise = FLOAT32_UNIT * max((t.double().abs().max().item() for t in want.values()
+                            if t.numel()), default=0.0)
         for name in sorted(set(want) & set(got)):
-            a, b = got[name].float(), want[name].float()
+            a, b = got[name].to(dtype), want[name].to(dtype)
             if a.shape != b.shape:
                 found.append(f"{what} {name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
                 continue
             # what training changed (a parameter minus its initial value; optimizer state
             # starts at zero), and the round-off of storing this tensor in float32
             init = start.get(name)
-            moved = b - init.float() if init is not None else b
+            moved = b - init.to(dtype) if init is not None else b
             scale = moved.abs().max().item()
             floor = FLOAT32_UNIT * b.abs().max().item()
             diff = (a - b).abs().max().item()

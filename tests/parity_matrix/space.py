@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelparallel.schedule_rules import MULTI_STAGE_SCHEDULES, check_schedule
-from parity_matrix.zoo import MODELS
+from parity_matrix.zoo import EXPERTS, MODELS, MOE_MODELS
 
 WORLDS: tuple[int | str, ...] = (1, 2, 4, 8, "2x2")
 PATHS = ("v1", "shard", "fsdp1", "ddp", "smddp")
@@ -60,6 +60,11 @@ OTHER_AXES: dict[str, tuple[Any, ...]] = {
 # paths that train them (tsm.transform, then a data-parallel wrapper)
 CONTEXT_PARALLEL_MODELS = ("llama", "mistral", "qwen2", "qwen3", "neox")
 CONTEXT_PARALLEL_PATHS = ("shard", "fsdp1", "ddp")
+# expert parallelism: the degrees (dividing the data-parallel size and the experts), the
+# paths SMP v2 trains it with (refusals.py says which are built), the load balancing
+EXPERT_DEGREES = (2, 4)
+EXPERT_PARALLEL_PATHS = ("shard", "fsdp1", "ddp")
+LOAD_BALANCING = ("none", "aux_loss")
 STEPS = 3  # optimizer steps per case
 ACCUMULATION = 2  # backward passes per optimizer step when accumulating
 
@@ -80,6 +85,7 @@ class Layout:
     schedule: str | None = None  # pipeline schedule when pp > 1
     virtual_stages: int = 1
     cp: int = 1  # context_parallel_degree: ranks of dp_shard that split each sequence
+    ep: int = 1  # expert_parallel_degree: data-parallel ranks that split the experts
 
     @property
     def nodes(self) -> int:
@@ -112,12 +118,16 @@ class Layout:
                 c["virtual_stages"] = self.virtual_stages
         if self.cp > 1:
             c["context_parallel_degree"] = self.cp
+        if self.ep > 1:
+            c["expert_parallel_degree"] = self.ep
         return c
 
     def label(self) -> str:
         parts = [f"w{self.world}", f"pp{self.pp}", f"tp{self.tp}", f"hsd{self.hsd}"]
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if sum(d > 1 for d in (self.pp, self.tp, self.dp)) >= 2:
             parts.append(self.placement)
         if self.schedule:
@@ -142,6 +152,16 @@ def layouts() -> Iterator[Layout]:
                         yield Layout(world, pp, tp, hsd, placement, schedule, v)
                     for cp in _context_degrees(pp, dp if hsd == 0 else hsd):
                         yield Layout(world, pp, tp, hsd, placement, cp=cp)
+
+
+def expert_layouts() -> Iterator[Layout]:
+    """Every layout of every world size with an expert-parallel degree: a divisor of the
+    data-parallel size and of the experts, without a pipeline or context parallelism
+    (SMP refuses both with it: one regression case each)."""
+    for lay in layouts():
+        if lay.pp == 1 and lay.cp == 1:
+            yield from (dataclasses.replace(lay, ep=ep) for ep in EXPERT_DEGREES
+                        if lay.dp % ep == 0 and EXPERTS % ep == 0)
 
 
 def _context_degrees(pp: int, shard: int) -> list[int]:
@@ -181,6 +201,9 @@ class Case:
     accumulation: str = "none"
     dropout: bool = False
     padded: bool = False
+    # SMP's moe_load_balancing with a mixture-of-experts model: "aux_loss" adds the
+    # routers' load-balancing loss (over the whole batch), "none" the model as configured
+    load_balancing: str = "none"
     unused: bool = False  # the model has a parameter its forward never uses
     note: str = ""  # why a regression case is in the list
     # a bug injected into the run (not the reference) to show the judge fails it:
@@ -199,6 +222,8 @@ class Case:
                                         ("unused", self.unused)) if on]
         if self.accumulation != "none":
             flags.append(f"acc-{self.accumulation}")
+        if self.load_balancing != "none":
+            flags.append(self.load_balancing.replace("_", "-"))
         if self.mutation:
             flags.append(f"mutated-{self.mutation}")
         return f"{self.layout.label()}-{'-'.join(flags)}"
@@ -215,7 +240,7 @@ class Case:
             c["prescaled_batch"] = True
         if self.ddp:
             c["ddp"] = True
-        if self.precision != "fp32":
+        if self.precision in ("bf16", "fp16"):  # (fp64: the model and data in float64)
             c[self.precision] = True
         return c
 
@@ -253,6 +278,13 @@ class Case:
 def allowed(layout: Layout, path: str, axis: str) -> tuple[Any, ...]:
     """The values of ``axis`` that make sense for this layout and path."""
     values = OTHER_AXES[axis]
+    if layout.ep > 1:
+        if axis == "model":
+            return MOE_MODELS
+        if axis == "precision":  # round-off cannot flip a router's top-k choice
+            return ("fp64",)
+        if axis == "dropout" and _has_twins(layout, path):  # dropout twins (full_cases)
+            return (False,)
     if axis == "microbatches":
         if path != "v1":
             return (1,)
@@ -283,6 +315,11 @@ def base_cases() -> list[tuple[Layout, str]]:
     return [(lay, path) for lay in layouts() for path in PATHS if lay.pp == 1 or path == "v1"]
 
 
+def expert_base_cases() -> list[tuple[Layout, str]]:
+    """Expert-parallel layout x API path, exhaustively."""
+    return [(lay, path) for lay in expert_layouts() for path in PATHS]
+
+
 def _triples(assignment: dict[str, Any]) -> Iterator[tuple]:
     items = sorted(assignment.items())
     return itertools.combinations(items, 3)
@@ -291,15 +328,44 @@ def _triples(assignment: dict[str, Any]) -> Iterator[tuple]:
 def full_cases(seed: int = 0) -> list[Case]:
     """Every layout x API path, the other axes covering every achievable triple of their
     values (values a layout is forced to, such as 16 microbatches for DualPipeV on 8
-    stages, are not axis values and need no triple)."""
-    rng = random.Random(seed)
-    bases = base_cases()
-    axes = sorted(OTHER_AXES)  # the order _triples gives
+    stages, are not axis values and need no triple). The expert-parallel cases are a
+    covering of their own (their models and float64), made after the others, so that
+    those stay the cases earlier runs judged."""
+    cases = _covering(base_cases(), OTHER_AXES, random.Random(seed))
+    # every case context parallelism splits again with dropout: its ring attention and
+    # hidden states drop by global position. Added after the search, so that the other
+    # cases stay the ones earlier runs judged.
+    cases += [dataclasses.replace(c, dropout=True) for c in cases
+              if c.layout.cp > 1 and c.path in CONTEXT_PARALLEL_PATHS]
+    expert_axes = {**OTHER_AXES, "model": MOE_MODELS, "precision": ("fp64",)}
+    expert = _covering(expert_base_cases(), expert_axes, random.Random(seed + 1))
+    # the cases that train, or will (refusals.py), again with dropout (the attention's,
+    # keyed by sample: each rank attends over its own samples) and, where each step is
+    # one pass (the load-balancing loss of a part of a step is not a share of the
+    # step's), with the routers' load-balancing loss
+    trained = [c for c in expert if _has_twins(c.layout, c.path)]
+    dropout = [dataclasses.replace(c, dropout=True) for c in trained]
+    aux = [dataclasses.replace(c, load_balancing="aux_loss") for c in trained + dropout
+           if c.accumulation == "none"]
+    return cases + expert + dropout + aux
+
+
+def _has_twins(layout: Layout, path: str) -> bool:
+    """Whether an expert-parallel case gets dropout and load-balancing twins: the paths
+    that train expert parallelism (tensor parallelism with it: its covering's dropout)."""
+    return layout.ep > 1 and layout.tp == 1 and path in EXPERT_PARALLEL_PATHS
+
+
+def _covering(bases: list[tuple[Layout, str]], axis_values: dict[str, tuple[Any, ...]],
+              rng: random.Random) -> list[Case]:
+    """One case per base, then more until every achievable triple of ``axis_values``
+    appears (a seeded greedy covering array)."""
+    axes = sorted(axis_values)  # the order _triples gives
     options = {(lay, path): {a: allowed(lay, path, a) for a in axes} for lay, path in bases}
     achievable = set()
     for opts in options.values():
         for combo in itertools.combinations(axes, 3):
-            values = [[v for v in opts[a] if v in OTHER_AXES[a]] for a in combo]
+            values = [[v for v in opts[a] if v in axis_values[a]] for a in combo]
             for triple in itertools.product(*values):
                 achievable.add(tuple(zip(combo, triple, strict=True)))
     covered: set[tuple] = set()
@@ -334,11 +400,7 @@ def full_cases(seed: int = 0) -> list[Case]:
         base = next(b for b in cheapest
                     if all(v in options[b][a] for a, v in fixed.items()))
         add(base, assign(base, fixed))
-    # every case context parallelism splits again with dropout: its ring attention and
-    # hidden states drop by global position. Added after the search, so that the other
-    # cases stay the ones earlier runs judged.
-    return cases + [dataclasses.replace(c, dropout=True) for c in cases
-                    if c.layout.cp > 1 and c.path in CONTEXT_PARALLEL_PATHS]
+    return cases
 
 
 def _gain(assignment: dict[str, Any], covered: set[tuple]) -> int:
@@ -350,6 +412,8 @@ def _pairs(case: Case) -> set[tuple]:
     values = {"world": lay.world, "pp": lay.pp, "tp": lay.tp, "hsd": lay.hsd, "cp": lay.cp,
               "placement": lay.placement, "schedule": (lay.schedule, lay.virtual_stages),
               "path": case.path, **{a: getattr(case, a) for a in OTHER_AXES}}
+    if lay.ep > 1:  # (not on the other cases: their subset stays the one measured)
+        values.update(ep=lay.ep, load_balancing=case.load_balancing)
     return set(itertools.combinations(sorted(values.items(), key=lambda kv: kv[0]), 2))
 
 
@@ -417,11 +481,26 @@ def regression_cases() -> list[Case]:
              note="cp: attention dropout, judged"),
         Case(L(4, 1, 1, 1, cp=2), "shard", "llama",
              note="cp: hybrid_shard_degree not a multiple of it"),
+        Case(L(4, 2, 1, 0, schedule="simple", ep=2), "v1", "mixtral", precision="fp64",
+             note="ep: with a pipeline (SMP refuses it)"),
+        Case(L(4, 1, 1, 0, cp=2, ep=2), "shard", "mixtral", precision="fp64",
+             note="ep: with context parallelism (SMP refuses it)"),
+        Case(L(2, 1, 1, 0, ep=4), "shard", "qwen3moe", precision="fp64",
+             note="ep: not a divisor of the data-parallel size"),
+        Case(L(2, 1, 1, 0), "shard", "mixtral", precision="fp64", load_balancing="aux_loss",
+             note="ep 1: the load-balancing loss over the whole batch, mp.shard"),
+        Case(L(2, 1, 1, 1), "ddp", "qwen2moe", precision="fp64", load_balancing="aux_loss",
+             note="ep 1: the load-balancing loss over the whole batch, mp.replicate"),
+        Case(L(2, 1, 1, 0), "fsdp1", "qwen3moe", precision="fp64", load_balancing="aux_loss",
+             dropout=True, note="ep 1: the load-balancing loss over the whole batch, FSDP1"),
     ]
 
 
 def ci_cases() -> list[Case]:
-    """What CI runs: the pairwise subset of the full matrix and the regression cases."""
-    chosen = pairwise_subset(full_cases())
+    """What CI runs: the pairwise subset of the full matrix (of the expert-parallel cases
+    apart: the other cases' subset stays the one measured) and the regression cases."""
+    everything = full_cases()
+    chosen = pairwise_subset(c for c in everything if c.layout.ep == 1)
+    chosen += pairwise_subset(c for c in everything if c.layout.ep > 1)
     seen = {c.id for c in chosen}
     return chosen + [c for c in regression_cases() if c.id not in seen]
