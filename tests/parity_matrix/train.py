@@ -112,9 +112,6 @@ def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunRe
                      initial=initial)
 
 
-
-
-
 # -- one rank of the parallel run -------------------------------------------------------------
 
 def run_rank(case_dict: dict[str, Any], exact: bool = False) -> RunResult:
@@ -290,10 +287,9 @@ def _global_mean(value: float) -> float:
 
 
 def _router_loss(samples: keyed.Samples) -> torch.Tensor | float:
-    """The weighted load-balancing loss a mixture-of-experts model's last forward put in
-    its output (0 when it has none), added to the loss as a Hugging Face model adds it to
-    its labels' loss: on every rank the whole batch's (expert_parallel/router_loss.py),
-    so the data-parallel average of the gradients is one process's."""
+    """The weighted load-balancing loss of a mixture-of-experts model's last forward (0
+    without one), to add to the loss as the model adds it to its labels' (on each rank
+    the whole batch's: the data-parallel average of the gradients is one process's)."""
     return 0.0 if samples.router_loss is None else samples.router_loss
 
 
