@@ -61,13 +61,13 @@ def full_cases(seed: int = 0) -> list[Case]:
     expert_axes = {**OTHER_AXES, "model": MOE_MODELS, "precision": ("fp64",)}
     expert = _covering(expert_base_cases(), expert_axes, random.Random(seed + 1))
     # the cases that train, or will (refusals.py), again with dropout (the attention's,
-    # keyed by sample: each rank attends over its own samples) and, where each step is
-    # one pass (the load-balancing loss of a part of a step is not a share of the
-    # step's), with the routers' load-balancing loss
+    # keyed by sample: each rank attends over its own samples), and these again with the
+    # routers' load-balancing loss, each step one pass (the loss of a part of a step is
+    # not a share of the step's: the loss is not linear in the tokens)
     trained = [c for c in expert if has_twins(c.layout, c.path)]
     dropout = [dataclasses.replace(c, dropout=True) for c in trained]
-    aux = [dataclasses.replace(c, load_balancing="aux_loss") for c in trained + dropout
-           if c.accumulation == "none"]
+    aux = [dataclasses.replace(c, load_balancing="aux_loss", accumulation="none")
+           for c in trained + dropout]
     return cases + expert + dropout + aux
 
 
