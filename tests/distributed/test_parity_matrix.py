@@ -9,7 +9,7 @@ The full matrix is ``python tests/parity_matrix --full`` (docs/testing.md).
 import pytest
 
 from parity_matrix import run
-from parity_matrix.space import ci_cases
+from parity_matrix.cases import ci_cases
 
 CASES = ci_cases()
 SINGLE = [c for c in CASES if c.layout.nodes == 1]
@@ -40,7 +40,7 @@ def test_two_node_case(two_node_outcomes, case):
 
 
 def test_the_subset_covers_every_pair_and_the_regressions():
-    from parity_matrix.space import _pairs, full_cases, regression_cases
+    from parity_matrix.cases import _pairs, full_cases, regression_cases
 
     everything = full_cases()
     needed = set().union(*(_pairs(c) for c in everything))

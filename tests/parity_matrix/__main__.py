@@ -19,9 +19,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python tests/parity_matrix`: import it as a package
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from parity_matrix.cases import ci_cases, full_cases, regression_cases
 from parity_matrix.report import summary, write_report
 from parity_matrix.run import Outcome, run_cases
-from parity_matrix.space import ci_cases, full_cases, regression_cases
 
 
 def main(argv: list[str] | None = None) -> int:

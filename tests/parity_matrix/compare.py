@@ -64,9 +64,8 @@ import torch
 from parity_matrix.space import Case
 from parity_matrix.train import RunResult
 
-UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp64": 2.0 ** -53}
 FLOAT32_UNIT = UNIT_ROUNDOFF["fp32"]  # parameters and optimizer state are stored in float32
-TOLERANCE = {"fp32": 1e-5, "bf16": 10 * UNIT_ROUNDOFF["bf16"], "fp16": 10 * UNIT_ROUNDOFF["fp16"]}
 
 
 NOISE_MARGIN = 3.0  # times the round-off one process carries (measured, above)
@@ -79,6 +78,14 @@ EXACT_TOLERANCE = 1e-10
 # not the precision policy (casts, loss scaling), and a wrong policy errs by a share of
 # the tensor itself; round-off measured up to 4.3x in bf16 (above)
 HALF_CAP = 10.0
+# fp64: the mixture-of-experts cases, the model and data in float64 so that round-off
+# cannot flip a router's top-k choice, judged against the float64 answer itself: every
+# parameter and optimizer-state tensor within EXACT_TOLERANCE of what training changed in
+# it (measured: 6.6e-14), the losses as fp32's (the matrix's loss function computes cross
+# entropy in float32, and a mean over each rank's rows rounds otherwise than one over the
+# whole batch: 1.1e-7 measured)
+TOLERANCE = {"fp32": 1e-5, "bf16": 10 * UNIT_ROUNDOFF["bf16"], "fp16": 10 * UNIT_ROUNDOFF["fp16"],
+             "fp64": 1e-5}
 
 
 def problems(case: Case, results: list[RunResult], ref: RunResult | None,
@@ -128,21 +135,26 @@ def problems(case: Case, results: list[RunResult], ref: RunResult | None,
         if extra:  # e.g. momentum for a parameter one process never stepped
             found.append(f"{what}s in the run that one process does not have: {extra[:5]}")
         # without the float64 answer a tensor holding only round-off (a zero-gradient
-        # bias) cannot be told from a wrong one: below one float32 unit of the largest
-        # value of its kind, a difference is noise
-        noise = FLOAT32_UNIT * max((t.float().abs().max().item() for t in want.values()
-                                    if t.numel()), default=0.0)
+        # bias) cannot be told from a wrong one: below one unit of the largest value of
+        # its kind (in the type it is stored in: float32, float64 in fp64 cases), a
+        # difference is noise
+        float64 = case.precision == "fp64"
+        dtype, unit = (torch.float64, UNIT_ROUNDOFF["fp64"]) if float64 else \
+            (torch.float32, FLOAT32_UNIT)
+        tensor_base = EXACT_TOLERANCE if float64 else base
+        noise = unit * max((t.double().abs().max().item() for t in want.values()
+                            if t.numel()), default=0.0)
         for name in sorted(set(want) & set(got)):
-            a, b = got[name].float(), want[name].float()
+            a, b = got[name].to(dtype), want[name].to(dtype)
             if a.shape != b.shape:
                 found.append(f"{what} {name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
                 continue
             # what training changed (a parameter minus its initial value; optimizer state
-            # starts at zero), and the round-off of storing this tensor in float32
+            # starts at zero), and the round-off of storing this tensor
             init = start.get(name)
-            moved = b - init.float() if init is not None else b
+            moved = b - init.to(dtype) if init is not None else b
             scale = moved.abs().max().item()
-            floor = FLOAT32_UNIT * b.abs().max().item()
+            floor = unit * b.abs().max().item()
             diff = (a - b).abs().max().item()
             if other is not None and answer is not None and name in other and name in answer:
                 # as accurate as one process: the run's distance from the float64 answer
@@ -161,12 +173,12 @@ def problems(case: Case, results: list[RunResult], ref: RunResult | None,
                 else:
                     found.append(f"{text}; past {HALF_CAP:g}x one process, more than "
                                  f"{case.precision} round-off does")
-            else:  # no float64 answer: against one process itself
-                allowed = base * scale + max(floor, noise)
+            else:  # no float64 answer (or fp64, which is it): against one process itself
+                allowed = tensor_base * scale + max(floor, noise)
                 worst = max(worst, diff / allowed if allowed else math.inf)
                 if diff <= allowed:
                     continue
-                found.append(f"{what} {name}: max difference {diff:.3e} > {base} x "
+                found.append(f"{what} {name}: max difference {diff:.3e} > {tensor_base} x "
                              f"{scale:.3e} (its change in training) + {max(floor, noise):.1e}")
     if case.precision == "fp16" and first.scaler != ref.scaler:
         found.append(f"loss scaler {first.scaler} vs reference {ref.scaler}")

@@ -43,6 +43,9 @@ class Samples:
     # context parallelism: the global positions of a rank's sequence, and the whole length
     positions: torch.Tensor | None = None
     length: int = 0
+    # a mixture-of-experts model's weighted load-balancing loss of the last forward (its
+    # Hugging Face output's, added to the loss only when labels are passed)
+    router_loss: torch.Tensor | None = None
 
 
 def encode(x: torch.Tensor, first: int, vocab: int) -> torch.Tensor:
@@ -98,7 +101,12 @@ class Keyed(nn.Module):
             self.samples.positions = positions(split.cp_rank, split.cp_size, x.shape[1])
             self.samples.length = split.cp_size * x.shape[1]
         out = self.model(x)
-        return out.logits if self.hugging_face else out
+        if not self.hugging_face:
+            return out
+        aux = getattr(out, "aux_loss", None)
+        self.samples.router_loss = None if aux is None else \
+            getattr(self.model, "router_aux_loss_coef") * aux  # noqa: B009 (read by forward)
+        return out.logits
 
 
 class KeyedDropout(nn.Module):

@@ -9,7 +9,11 @@ precision and expects ``FAIL``:
   all-reduce dropped);
 - ``double_loss``: the loss gradient doubled (in fp16: the loss scale is not undone);
 - ``unused_grad``: a parameter the forward never uses given a zero gradient (one
-  process leaves it ``None``: no optimizer state, no weight decay).
+  process leaves it ``None``: no optimizer state, no weight decay);
+- ``expert_grads_over_holders``: expert parallelism's expert gradients divided by the
+  ranks holding each expert (``dp / ep``) instead of every data-parallel rank (``dp``):
+  multiplied by ``ep``, as without the all-reduce hook that divides by ``ep`` more
+  (fp64 only: tests/distributed/test_matrix_judge.py).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from torch import nn
 
 from parity_matrix.space import Case
 
-MUTATIONS = ("zero_grad", "skip_allreduce", "double_loss", "unused_grad")
+MUTATIONS = ("zero_grad", "skip_allreduce", "double_loss", "unused_grad",
+             "expert_grads_over_holders")
 
 
 def before_step(case: Case, model: nn.Module) -> None:
@@ -33,6 +38,14 @@ def before_step(case: Case, model: nn.Module) -> None:
         p = next(p for n, p in model.named_parameters() if n.endswith("unused"))
         assert p.grad is None, "one process gives the unused parameter no gradient"
         p.grad = torch.zeros_like(p)
+    elif case.mutation == "expert_grads_over_holders":
+        from modelparallel.parallel import expert_parallel
+
+        experts = expert_parallel.expert_parameters(model)
+        assert experts, "the model's experts are split"
+        for p in experts:
+            assert p.grad is not None
+            p.grad.mul_(case.layout.ep)
 
 
 def skip_first_bucket(model: nn.Module) -> None:

@@ -13,6 +13,7 @@ import torch
 from parity_matrix.compare import EXACT_TOLERANCE, HALF_CAP, NOISE_MARGIN
 from parity_matrix.run import Outcome
 from parity_matrix.space import OTHER_AXES, PATH_DOC
+from parity_matrix.zoo import MOE_MODELS
 
 
 def _commit() -> str:
@@ -44,6 +45,10 @@ def write_report(path: str, outcomes: list[Outcome], wall_s: float, *, command: 
         "- paths: " + "; ".join(f"`{k}` = {v}" for k, v in PATH_DOC.items()),
         "- other axes (covered 3-wise): " + "; ".join(
             f"{axis} {', '.join(str(v) for v in values)}" for axis, values in OTHER_AXES.items()),
+        *([f"- expert-parallel cases: model {', '.join(MOE_MODELS)}, in fp64 (the model and "
+           "data in float64); the cases that train also with dropout, and each of those with "
+           "the load-balancing loss (`aux-loss`)"]
+          if any(o.case.layout.ep > 1 for o in outcomes) else []),
         "- worst: the largest difference from the one-process reference, as a share of what "
         "the judge allows (1 is the bound), over the losses of every step and every parameter "
         "and optimizer-state tensor (0 for a refusal: nothing to compare)",

@@ -1,15 +1,15 @@
-"""The configuration space of the parity matrix, and the cases generated from it.
+"""The configuration space of the parity matrix (its cases are generated in ``cases.py``).
 
 Layout axes — world size (1, 2, 4, 8 processes on one node, and 2 nodes x 2), pipeline,
-tensor-parallel, hybrid-shard and context-parallel degrees (cp where SMP allows it: a
-divisor of the shard degree, no pipeline), placement strategy (when two or more
+tensor-parallel, hybrid-shard, context-parallel and expert-parallel degrees (cp where SMP
+allows it: a divisor of the shard degree, no pipeline; ep a divisor of the data-parallel
+size and of the experts, no pipeline or cp), placement strategy (when two or more
 degrees exceed 1), pipeline schedule and its virtual stages (when pp > 1) — and the
 API path are crossed exhaustively. The other axes (model, precision, microbatches,
 prescaled batch, activation checkpointing, ddp, gradient accumulation, dropout, padded
 targets) are assigned to those cases so that every triple of their values that some
-case can hold appears at least once (a greedy covering array, seeded, so the list is the same on
-every run). :func:`ci_cases` picks a subset in which every pair of values of all axes
-appears, plus a fixed list of regression cases.
+case can hold appears at least once. Expert-parallel cases train the mixture-of-experts
+models in float64, with and without the routers' load-balancing loss.
 
 Each case knows what it expects: parity with one process, or a refusal (the key and
 a fragment of the message) derived from the rules in ``refusals.py``.
@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
-import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from modelparallel.schedule_rules import MULTI_STAGE_SCHEDULES, check_schedule
-from parity_matrix.zoo import MODELS
+from parity_matrix.zoo import EXPERTS, MODELS, MOE_MODELS
 
 WORLDS: tuple[int | str, ...] = (1, 2, 4, 8, "2x2")
 PATHS = ("v1", "shard", "fsdp1", "ddp", "smddp")
@@ -60,6 +58,10 @@ OTHER_AXES: dict[str, tuple[Any, ...]] = {
 # paths that train them (tsm.transform, then a data-parallel wrapper)
 CONTEXT_PARALLEL_MODELS = ("llama", "mistral", "qwen2", "qwen3", "neox")
 CONTEXT_PARALLEL_PATHS = ("shard", "fsdp1", "ddp")
+# expert parallelism: the degrees (dividing the data-parallel size and the experts), the
+# paths SMP v2 trains it with (refusals.py says which are built), the load balancing
+EXPERT_DEGREES = (2, 4)
+EXPERT_PARALLEL_PATHS = ("shard", "fsdp1", "ddp")
 STEPS = 3  # optimizer steps per case
 ACCUMULATION = 2  # backward passes per optimizer step when accumulating
 
@@ -80,6 +82,7 @@ class Layout:
     schedule: str | None = None  # pipeline schedule when pp > 1
     virtual_stages: int = 1
     cp: int = 1  # context_parallel_degree: ranks of dp_shard that split each sequence
+    ep: int = 1  # expert_parallel_degree: data-parallel ranks that split the experts
 
     @property
     def nodes(self) -> int:
@@ -112,12 +115,16 @@ class Layout:
                 c["virtual_stages"] = self.virtual_stages
         if self.cp > 1:
             c["context_parallel_degree"] = self.cp
+        if self.ep > 1:
+            c["expert_parallel_degree"] = self.ep
         return c
 
     def label(self) -> str:
         parts = [f"w{self.world}", f"pp{self.pp}", f"tp{self.tp}", f"hsd{self.hsd}"]
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if sum(d > 1 for d in (self.pp, self.tp, self.dp)) >= 2:
             parts.append(self.placement)
         if self.schedule:
@@ -142,6 +149,16 @@ def layouts() -> Iterator[Layout]:
                         yield Layout(world, pp, tp, hsd, placement, schedule, v)
                     for cp in _context_degrees(pp, dp if hsd == 0 else hsd):
                         yield Layout(world, pp, tp, hsd, placement, cp=cp)
+
+
+def expert_layouts() -> Iterator[Layout]:
+    """Every layout of every world size with an expert-parallel degree: a divisor of the
+    data-parallel size and of the experts, without a pipeline or context parallelism
+    (SMP refuses both with it: one regression case each)."""
+    for lay in layouts():
+        if lay.pp == 1 and lay.cp == 1:
+            yield from (dataclasses.replace(lay, ep=ep) for ep in EXPERT_DEGREES
+                        if lay.dp % ep == 0 and EXPERTS % ep == 0)
 
 
 def _context_degrees(pp: int, shard: int) -> list[int]:
@@ -181,6 +198,9 @@ class Case:
     accumulation: str = "none"
     dropout: bool = False
     padded: bool = False
+    # SMP's moe_load_balancing with a mixture-of-experts model: "aux_loss" adds the
+    # routers' load-balancing loss (over the whole batch), "none" the model as configured
+    load_balancing: str = "none"
     unused: bool = False  # the model has a parameter its forward never uses
     note: str = ""  # why a regression case is in the list
     # a bug injected into the run (not the reference) to show the judge fails it:
@@ -199,6 +219,8 @@ class Case:
                                         ("unused", self.unused)) if on]
         if self.accumulation != "none":
             flags.append(f"acc-{self.accumulation}")
+        if self.load_balancing != "none":
+            flags.append(self.load_balancing.replace("_", "-"))
         if self.mutation:
             flags.append(f"mutated-{self.mutation}")
         return f"{self.layout.label()}-{'-'.join(flags)}"
@@ -215,7 +237,7 @@ class Case:
             c["prescaled_batch"] = True
         if self.ddp:
             c["ddp"] = True
-        if self.precision != "fp32":
+        if self.precision in ("bf16", "fp16"):  # (fp64: the model and data in float64)
             c[self.precision] = True
         return c
 
@@ -253,6 +275,13 @@ class Case:
 def allowed(layout: Layout, path: str, axis: str) -> tuple[Any, ...]:
     """The values of ``axis`` that make sense for this layout and path."""
     values = OTHER_AXES[axis]
+    if layout.ep > 1:
+        if axis == "model":
+            return MOE_MODELS
+        if axis == "precision":  # round-off cannot flip a router's top-k choice
+            return ("fp64",)
+        if axis == "dropout" and has_twins(layout, path):  # dropout twins (full_cases)
+            return (False,)
     if axis == "microbatches":
         if path != "v1":
             return (1,)
@@ -276,152 +305,7 @@ def schedule_accepts(layout: Layout, m: int) -> bool:
     return not any(key == "microbatches" for key, _ in problems)
 
 
-# -- generating ----------------------------------------------------------------------
-
-def base_cases() -> list[tuple[Layout, str]]:
-    """Layout x API path, exhaustively (paths other than SMP v1 have no pipeline)."""
-    return [(lay, path) for lay in layouts() for path in PATHS if lay.pp == 1 or path == "v1"]
-
-
-def _triples(assignment: dict[str, Any]) -> Iterator[tuple]:
-    items = sorted(assignment.items())
-    return itertools.combinations(items, 3)
-
-
-def full_cases(seed: int = 0) -> list[Case]:
-    """Every layout x API path, the other axes covering every achievable triple of their
-    values (values a layout is forced to, such as 16 microbatches for DualPipeV on 8
-    stages, are not axis values and need no triple)."""
-    rng = random.Random(seed)
-    bases = base_cases()
-    axes = sorted(OTHER_AXES)  # the order _triples gives
-    options = {(lay, path): {a: allowed(lay, path, a) for a in axes} for lay, path in bases}
-    achievable = set()
-    for opts in options.values():
-        for combo in itertools.combinations(axes, 3):
-            values = [[v for v in opts[a] if v in OTHER_AXES[a]] for a in combo]
-            for triple in itertools.product(*values):
-                achievable.add(tuple(zip(combo, triple, strict=True)))
-    covered: set[tuple] = set()
-    cases = []
-
-    def assign(base: tuple[Layout, str], fixed: dict[str, Any]) -> dict[str, Any]:
-        opts = {**options[base], **{a: (v,) for a, v in fixed.items()}}
-        best, best_gain = {}, -1
-        for _ in range(4):
-            pick = {a: rng.choice(opts[a]) for a in axes}
-            for _ in range(2):  # coordinate ascent: each axis to its best value (ties at
-                for a in rng.sample(axes, len(axes)):  # random, so values keep varying)
-                    def score(v: Any, a: str = a, pick: dict[str, Any] = pick) -> tuple[int, float]:
-                        return _gain({**pick, a: v}, covered), rng.random()
-                    pick[a] = max(opts[a], key=score)
-            gain = _gain(pick, covered)
-            if gain > best_gain:
-                best, best_gain = dict(pick), gain
-        return best
-
-    def add(base: tuple[Layout, str], pick: dict[str, Any]) -> None:
-        covered.update(_triples(pick))
-        cases.append(Case(base[0], base[1], **pick))
-
-    for base in bases:
-        add(base, assign(base, {}))
-    cheapest = sorted(bases, key=lambda b: (b[0].processes, b[0].stages, b[0].label()))
-    for triple in sorted(achievable - covered, key=repr):
-        if triple in covered:
-            continue
-        fixed = dict(triple)
-        base = next(b for b in cheapest
-                    if all(v in options[b][a] for a, v in fixed.items()))
-        add(base, assign(base, fixed))
-    # every case context parallelism splits again with dropout: its ring attention and
-    # hidden states drop by global position. Added after the search, so that the other
-    # cases stay the ones earlier runs judged.
-    return cases + [dataclasses.replace(c, dropout=True) for c in cases
-                    if c.layout.cp > 1 and c.path in CONTEXT_PARALLEL_PATHS]
-
-
-def _gain(assignment: dict[str, Any], covered: set[tuple]) -> int:
-    return sum(1 for t in _triples(assignment) if t not in covered)
-
-
-def _pairs(case: Case) -> set[tuple]:
-    lay = case.layout
-    values = {"world": lay.world, "pp": lay.pp, "tp": lay.tp, "hsd": lay.hsd, "cp": lay.cp,
-              "placement": lay.placement, "schedule": (lay.schedule, lay.virtual_stages),
-              "path": case.path, **{a: getattr(case, a) for a in OTHER_AXES}}
-    return set(itertools.combinations(sorted(values.items(), key=lambda kv: kv[0]), 2))
-
-
-def cost(case: Case) -> float:
-    """Rough seconds a case takes in CI on a 2-core machine: its ranks' run and its
-    one-process references (the whole batch, the batch cut in slices, float64).
-
-    Fitted to the per-case times of a full run (2026-11-26) and to timed references: a
-    half-precision reference is the dear part where the batch is cut in many slices (CPU
-    bf16/fp16 kernels are slow on small pieces: one 8-rank Mistral bf16 case's references
-    took 43 s, its ranks 8 s)."""
-    lay = case.layout
-    ranks = math.exp(-1.56 + 0.84 * math.log(lay.processes) - 0.27 * math.log(lay.pp)
-                     + 0.78 * math.log(lay.tp) + 0.45 * math.log(case.microbatches)
-                     + 0.25 * case.checkpointing + 0.34 * (case.accumulation != "none")
-                     + 0.14 * case.layers)
-    half = case.precision != "fp32"
-    references = STEPS * case.layers * (case.slices * (0.05 if half else 0.005)
-                                        + case.rows * (0.01 if half else 0.003))
-    return 0.5 + ranks + references
-
-
-def pairwise_subset(cases: Iterable[Case]) -> list[Case]:
-    """Cases of ``cases`` in which every pair of values of any two axes (layout axes,
-    path and the others) appears at least once, favouring cheap cases."""
-    pool = list(cases)
-    need = set().union(*(_pairs(c) for c in pool))
-    chosen = []
-    while need:
-        case = max(pool, key=lambda c: (len(_pairs(c) & need) / cost(c), c.id))
-        chosen.append(case)
-        need -= _pairs(case)
-    return chosen
-
-
-def regression_cases() -> list[Case]:
-    """The layouts and models that trained silently wrong or crashed before (issue 14)."""
-    L = Layout
-    return [
-        Case(L(4, 1, 2, 0), "v1", "noplan", note="no TP plan: TP ranks are replicas"),
-        Case(L(8, 2, 2, 0, schedule="interleaved"), "v1", "noplan", microbatches=2,
-             note="no TP plan under pp2 x tp2 x dp2"),
-        Case(L(4, 1, 2, 2), "shard", "noplan", note="no TP plan under FSDP2"),
-        Case(L(4, 1, 2, 1), "ddp", "noplan", note="no TP plan under DDP"),
-        Case(L(4, 1, 2, 0), "fsdp1", "noplan", note="no TP plan under FSDP1"),
-        Case(L(2, 1, 2, 0), "shard", "partial", note="only some blocks have a plan"),
-        Case(L(2, 1, 2, 0), "v1", "qwen3", note="q_norm/k_norm on split heads"),
-        Case(L(4, 1, 2, 2), "shard", "qwen3", prescaled_batch=True,
-             note="q_norm/k_norm on split heads, FSDP2"),
-        Case(L(2, 1, 2, 0), "fsdp1", "gpt", note="FSDP1 with tp2 and one data-parallel rank"),
-        Case(L(4, 1, 2, 0), "fsdp1", "llama", accumulation="no_sync",
-             note="FSDP1 no_sync() on a tensor-parallel model"),
-        Case(L(8, 2, 1, 1, "DTP", "looped_bfs", 3), "v1", "qwen3", ddp=True,
-             accumulation="no_sync", note="fp32 round-off of cancelling gradients"),
-        Case(L(4, 1, 1, 1), "v1", "gpt", ddp=True, note="ddp replicas start equal"),
-        Case(L(4, 1, 1, 1), "ddp", "gpt", precision="bf16", note="bf16 under mp.replicate"),
-        Case(L(2, 1, 2, 0), "ddp", "gpt", precision="bf16", note="bf16 under transform"),
-        Case(L(4, 1, 2, 0), "fsdp1", "gpt", precision="bf16", note="bf16 with FSDP1"),
-        Case(L(4, 2, 1, 1, schedule="interleaved"), "v1", "gpt", precision="bf16", ddp=True,
-             microbatches=2, note="bf16 with ddp=True replicas"),
-        Case(L(2, 1, 1, 0), "v1", "gpt", precision="fp16", note="fp16 loss scaling"),
-        Case(L(4, 1, 1, 2), "shard", "gpt", precision="fp16", note="fp16 with mp.shard"),
-        Case(L(2, 1, 1, 0, cp=2), "shard", "gpt", note="cp: a model it cannot split"),
-        Case(L(2, 1, 1, 0, cp=2), "fsdp1", "llama", dropout=True,
-             note="cp: attention dropout, judged"),
-        Case(L(4, 1, 1, 1, cp=2), "shard", "llama",
-             note="cp: hybrid_shard_degree not a multiple of it"),
-    ]
-
-
-def ci_cases() -> list[Case]:
-    """What CI runs: the pairwise subset of the full matrix and the regression cases."""
-    chosen = pairwise_subset(full_cases())
-    seen = {c.id for c in chosen}
-    return chosen + [c for c in regression_cases() if c.id not in seen]
+def has_twins(layout: Layout, path: str) -> bool:
+    """Whether an expert-parallel case gets dropout and load-balancing twins: the paths
+    that train expert parallelism (tensor parallelism with it: its covering's dropout)."""
+    return layout.ep > 1 and layout.tp == 1 and path in EXPERT_PARALLEL_PATHS

@@ -68,8 +68,11 @@ def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunRe
     from modelparallel.precision_policy import HALF
 
     model = zoo.build(case.model, case.layers, case.dropout, SEED, unused=case.unused)
+    if case.load_balancing == "aux_loss":
+        zoo.turn_on_router_loss(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    half = case.precision != "fp32" and not exact
+    exact = exact or case.precision == "fp64"
+    half = case.precision in ("bf16", "fp16") and not exact
     if exact:
         model = model.double()
     if half:
@@ -90,6 +93,7 @@ def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunRe
         loss = torch.zeros(())
         for i in range(pieces):
             part = loss_fn(model(x[i * n:(i + 1) * n]), y[i * n:(i + 1) * n]) / divisor
+            part = part + _router_loss(model.samples)
             (scaler.scale(part) if scaler else part).backward()
             loss = loss + part.detach()
         if scaler:
@@ -108,9 +112,6 @@ def reference(case: Case, *, sliced: bool = False, exact: bool = False) -> RunRe
                      initial=initial)
 
 
-
-
-
 # -- one rank of the parallel run -------------------------------------------------------------
 
 def run_rank(case_dict: dict[str, Any], exact: bool = False) -> RunResult:
@@ -119,8 +120,9 @@ def run_rank(case_dict: dict[str, Any], exact: bool = False) -> RunResult:
     layout, path and every other axis kept)."""
     case = Case.from_dict(case_dict)
     with quiet():
-        run = PathRun(dataclasses.replace(case, precision="fp32") if exact else case,
-                      exact=exact)
+        if exact and case.precision != "fp64":
+            case = dataclasses.replace(case, precision="fp32")
+        run = PathRun(case, exact=exact or case.precision == "fp64")
         losses = [run.step(x, y) for x, y in zoo.batches(run.case.model, STEPS, run.case.rows,
                                                          padded=run.case.padded)]
         return run.result(losses)
@@ -129,11 +131,11 @@ def run_rank(case_dict: dict[str, Any], exact: bool = False) -> RunResult:
 class PathRun:
     """A case's model, optimizer (and fp16 loss scaler) on this rank, built the way a
     script on the case's API path builds them; ``step`` trains on one global batch.
-    ``exact`` (an fp32 case, or a half-precision case turned fp32): the model and data
-    in float64."""
+    ``exact`` (an fp32 or fp64 case, or a half-precision case turned fp32): the model
+    and data in float64."""
 
     def __init__(self, case: Case, seed: int = SEED, exact: bool = False):
-        assert not exact or case.precision == "fp32", "float64 replaces fp32 only"
+        assert not exact or case.precision in ("fp32", "fp64"), "float64 replaces fp32 only"
         self.case = case
         self.exact = exact
         self.mp = mp = _init(case)
@@ -149,6 +151,7 @@ class PathRun:
             zoo.keep_first_block_whole(model)
         if exact:
             model = model.double()
+        self.samples: keyed.Samples = model.samples
         self.scaler = LossScaler(FP16_INIT_SCALE) if case.precision == "fp16" else None
         self.loss_fn = zoo.loss_fn(case.model, case.padded)
         self.passes = passes(case)
@@ -196,6 +199,7 @@ class PathRun:
             with _no_sync(self.model, skip):
                 loss = self.loss_fn(self.model(xs), ys)
                 loss = loss / divisor if divisor is not None else loss / self.passes
+                loss = loss + _router_loss(self.samples)  # (its cases: one pass a step)
                 (self.scaler.scale(loss * scale) if self.scaler else loss * scale).backward()
             total += float(loss.detach())
         mutations.before_step(case, self.model)
@@ -282,6 +286,13 @@ def _global_mean(value: float) -> float:
     return float(t) / dist.get_world_size(group)
 
 
+def _router_loss(samples: keyed.Samples) -> torch.Tensor | float:
+    """The weighted load-balancing loss of a mixture-of-experts model's last forward (0
+    without one), to add to the loss as the model adds it to its labels' (on each rank
+    the whole batch's: the data-parallel average of the gradients is one process's)."""
+    return 0.0 if samples.router_loss is None else samples.router_loss
+
+
 def _v1_step(mp, loss_fn, n: int, case: Case):
     @mp.step
     def train_step(model, x, y, divisor, scale):
@@ -330,7 +341,10 @@ def _wrap_v2(case: Case, mp, model: nn.Module, device: torch.device) -> nn.Modul
         if case.checkpointing:
             _checkpoint_blocks(model)
         return sdp.DistributedDataParallel(model)
-    model = keyed.transform(mp, model, case.layout.cp > 1)  # (keeps keyed attention)
+    if case.model in zoo.MOE_MODELS:
+        model = _transform_experts(mp, model, case.load_balancing)
+    else:
+        model = keyed.transform(mp, model, case.layout.cp > 1)  # (keeps keyed attention)
     if case.path == "shard":
         if case.checkpointing:
             _checkpoint_blocks(model)
@@ -349,6 +363,20 @@ def _wrap_v2(case: Case, mp, model: nn.Module, device: torch.device) -> nn.Modul
     if case.checkpointing:  # SMP v2's train_lib applies it after FSDP
         _checkpoint_blocks(wrapped)
     return wrapped
+
+
+def _transform_experts(mp, model: nn.Module, load_balancing: str) -> nn.Module:
+    """``tsm.transform(model, config=MoEConfig(smp_moe=False, ...))`` as an SMP v2 script
+    calls it on its Hugging Face model (the one inside the matrix's keyed wrapper, which
+    then carries the experts it split for the wrappers to find)."""
+    from modelparallel.module_state import lookup, state_of
+    from modelparallel.smp.v2.moe import MoEConfig
+
+    moe = MoEConfig(smp_moe=False, moe_load_balancing=load_balancing,
+                    moe_aux_loss_coeff=zoo.ROUTER_LOSS_COEF)
+    model.model = mp.transform(model.model, config=moe)
+    state_of(model).expert_parallel = lookup(model.model, "expert_parallel")
+    return model
 
 
 def _no_sync(model: Any, skip: bool) -> contextlib.AbstractContextManager:

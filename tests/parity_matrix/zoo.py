@@ -5,6 +5,11 @@ heads (16 with 8 key/value heads for grouped-query attention), MLP widths and th
 vocabulary. The number of layers grows with the pipeline stages a case needs. Hugging
 Face and reference models alike are wrapped in :class:`~.keyed.Keyed`, so every model maps
 the inputs of :func:`batches` to logits and its dropout is keyed by sample.
+
+The mixture-of-experts models (:data:`MOE_MODELS`: Mixtral, Qwen2-MoE with its shared
+expert and a dense layer, Qwen3-MoE with a dense layer; hidden 64, 2 layers, 4 experts,
+top-2) are the expert-parallel axis's, trained in float64 so that round-off cannot flip a
+router's top-k choice between a layout and one process.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from parity_matrix.keyed import ATTENTION, Keyed, encode, register_attention
 VOCAB, SEQ, IMAGE, CLASSES = 64, 8, 8, 8
 HF_MODELS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "neox")
 MODELS = ("gpt", "vit", *HF_MODELS, "noplan", "partial", "tied")
+# Hugging Face mixture-of-experts models (the expert-parallel axis's, not the model axis's)
+MOE_MODELS = ("mixtral", "qwen2moe", "qwen3moe")
+EXPERTS = 4  # per mixture-of-experts layer, each token choosing 2
+ROUTER_LOSS_COEF = 0.02  # the load-balancing loss's weight when it is on
 IMAGE_MODELS = ("vit", "hf-vit")
 TIED_MODELS = ("tied", "gpt2")  # input and output embeddings share one parameter
 # every model with a built-in tensor-parallel plan (hf-vit is not a matrix axis value)
@@ -116,6 +125,8 @@ def _hf(model: str, layers: int, p: float) -> nn.Module:
         return T.Qwen2ForCausalLM(T.Qwen2Config(**gqa))
     if model == "qwen3":  # q_norm / k_norm act on each rank's heads
         return T.Qwen3ForCausalLM(T.Qwen3Config(**gqa, head_dim=4))
+    if model in MOE_MODELS:
+        return _moe(model, gqa)
     if model == "hf-vit":
         return T.ViTForImageClassification(T.ViTConfig(
             image_size=IMAGE, patch_size=4, hidden_size=32, num_hidden_layers=layers,
@@ -130,6 +141,37 @@ def _hf(model: str, layers: int, p: float) -> nn.Module:
                              "rope_type": "default"},
             hidden_dropout=p, attention_dropout=p))
     raise ValueError(f"unknown model {model!r}")
+
+
+def _moe(model: str, gqa: dict[str, Any]) -> nn.Module:
+    """A tiny mixture-of-experts causal LM: 4 experts, top-2, its attention's dropout the
+    zoo's (the only dropout these models have); eager experts (grouped_mm has no float64
+    kernel)."""
+    import transformers as T
+
+    moe = dict(gqa, num_experts_per_tok=2, experts_implementation="eager",
+               tie_word_embeddings=False)
+    del moe["intermediate_size"]
+    if model == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(
+            **moe, intermediate_size=128, num_local_experts=EXPERTS, sliding_window=None))
+    if model == "qwen2moe":  # a shared expert and its gate; layer 1 dense; weights unnormalized
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+            **moe, intermediate_size=96, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_experts=EXPERTS, norm_topk_prob=False,
+            decoder_sparse_step=1, mlp_only_layers=[1]))
+    return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(  # layer 0 dense: every second is sparse
+        **moe, intermediate_size=96, moe_intermediate_size=32, num_experts=EXPERTS,
+        norm_topk_prob=True, decoder_sparse_step=2, head_dim=4))
+
+
+def turn_on_router_loss(model: nn.Module) -> None:
+    """One process's load-balancing loss, as ``MoEConfig(moe_load_balancing="aux_loss",
+    moe_aux_loss_coeff=ROUTER_LOSS_COEF)`` turns it on: the Hugging Face model adds it."""
+    inner = model.model if isinstance(model, Keyed) else model
+    config: Any = inner.config
+    config.output_router_logits = True
+    inner.router_aux_loss_coef = ROUTER_LOSS_COEF
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:

@@ -203,6 +203,10 @@ def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int,
         tensors = expert_tensors(module)
         for weight in tensors:
             whole = getattr(module, weight)
+            # every rank keeps the group's first rank's experts, as every other parameter
+            # starts from data-parallel rank 0's (scripts seed ranks apart): the ranks
+            # holding the same experts are made equal after this (replicas.synchronize)
+            dist.broadcast(whole.detach(), src=dist.get_global_rank(group, 0), group=group)
             held = whole.detach()[experts.first:experts.first + experts.count].clone()
             spread = DTensor.from_local(held, mesh, (Shard(0), Replicate(), Replicate()),
                                         run_check=False, shape=whole.shape,

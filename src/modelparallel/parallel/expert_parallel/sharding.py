@@ -41,6 +41,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 
 from modelparallel.context import ParallelContext
 from modelparallel.errors import ConfigError
@@ -72,7 +73,13 @@ def shard_experts(model: nn.Module, ctx: ParallelContext, mp_policy: MixedPrecis
     policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     divide = divide_by(ctx.topology.ep)
     for module in modules:
-        sharded = fully_shard(module, mesh=ctx.meshes["experts"], dp_mesh_dims=held_by,
+        # the mesh the weights live on: equal to ctx.meshes["experts"], but after an
+        # earlier mp.init of another layout in this process torch's sharding cache may
+        # give them that init's equal mesh, and fully_shard wants the very object
+        weight = next(module.parameters())
+        assert isinstance(weight, DTensor), "hugging_face.install made the weights DTensors"
+        mesh = weight.device_mesh
+        sharded = fully_shard(module, mesh=mesh, dp_mesh_dims=held_by,
                               mp_policy=policy, **fully_shard_kwargs)
         assert isinstance(sharded, FSDPModule)
         sharded.set_all_reduce_hook(divide)
