@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,7 +92,22 @@ class Keyed(nn.Module):
                 owner.keyed_weights_dropout = KeyedDropout(0.0, index, samples, heads)
                 index += 1
 
+    def decode_inside(self) -> None:
+        """Decode the samples where the wrapped model's own pre-hooks have run (register
+        after ``mp.transform`` of ``self.model``): its tensor-parallel batch gathering
+        then gathers the numbers with the rows."""
+        self.decoding_inside = True
+
+        def decode_gathered(module: nn.Module, args: tuple) -> tuple:
+            x, numbers = decode(args[0], self.vocab)
+            self.samples.running = None if x.is_meta else numbers
+            return (x, *args[1:])
+
+        self.model.register_forward_pre_hook(decode_gathered)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "decoding_inside", False):
+            return self._outputs(self.model(x))  # decoded by decode_gathered
         x, numbers = decode(x, self.vocab)
         self.samples.running = None if x.is_meta else numbers
         split = _sequence_split(self.model)
@@ -100,7 +116,9 @@ class Keyed(nn.Module):
 
             self.samples.positions = positions(split.cp_rank, split.cp_size, x.shape[1])
             self.samples.length = split.cp_size * x.shape[1]
-        out = self.model(x)
+        return self._outputs(self.model(x))
+
+    def _outputs(self, out: Any) -> torch.Tensor:
         if not self.hugging_face:
             return out
         aux = getattr(out, "aux_loss", None)
