@@ -196,6 +196,11 @@ def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int,
             f"with the router's choices (hidden_states, top_k_index, top_k_weights), which "
             f"expert parallelism sends each rank's experts; expert parallelism of this "
             f"model's experts is not built yet: set expert_parallel_degree to 1"))])
+    # experts on the meta device on some rank (delayed initialization, or real weights on
+    # rank 0 only, which the wrappers refuse) have nothing to send: no rank broadcasts
+    metas: list[object] = [None] * size
+    dist.all_gather_object(metas, any(p.is_meta for _, m in found for p in m.parameters()),
+                           group=group)
     for name, module in found:
         total = expert_count(module)
         assert total is not None
@@ -206,7 +211,8 @@ def install(model: nn.Module, group: dist.ProcessGroup, ep_rank: int,
             # every rank keeps the group's first rank's experts, as every other parameter
             # starts from data-parallel rank 0's (scripts seed ranks apart): the ranks
             # holding the same experts are made equal after this (replicas.synchronize)
-            dist.broadcast(whole.detach(), src=dist.get_global_rank(group, 0), group=group)
+            if not any(metas):
+                dist.broadcast(whole.detach(), src=dist.get_global_rank(group, 0), group=group)
             held = whole.detach()[experts.first:experts.first + experts.count].clone()
             spread = DTensor.from_local(held, mesh, (Shard(0), Replicate(), Replicate()),
                                         run_check=False, shape=whole.shape,
