@@ -376,8 +376,7 @@ def _transform_experts(mp, model: nn.Module, load_balancing: str) -> nn.Module:
                     moe_aux_loss_coeff=zoo.ROUTER_LOSS_COEF)
     model.model = mp.transform(model.model, config=moe)
     state_of(model).expert_parallel = lookup(model.model, "expert_parallel")
-    # the transformed model gathers a tensor-parallel group's rows: the samples' numbers too
-    model.decode_inside()
+    model.decode_inside()  # after its tensor-parallel gathering: the group's numbers
     return model
 
 
