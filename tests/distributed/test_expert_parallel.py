@@ -104,16 +104,38 @@ def one_process(model: nn.Module) -> tuple[list[float], dict, dict, float, list[
     return losses, params, states, idle_grad, norms
 
 
+def train_own_rows(model: nn.Module, opt: torch.optim.Optimizer, clip
+                   ) -> tuple[list[float], list[float]]:
+    """Train on this rank's rows of :func:`batches`, ``clip(model.parameters())`` before
+    each step: every step's loss (the ranks' mean) and the norm ``clip`` returned."""
+    import torch.distributed as dist
+
+    from modelparallel.data import replica_rank_and_size
+
+    index, count = replica_rank_and_size()
+    rows = ROWS // count
+    losses, norms = [], []
+    for ids in batches():
+        ids = ids[index * rows:(index + 1) * rows]
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norms.append(float(clip(model.parameters())))
+        opt.step()
+        value = loss.detach().double()
+        dist.all_reduce(value)
+        losses.append(float(value) / dist.get_world_size())
+    return losses, norms
+
+
 def ep_case(config: dict, family: str = "mixtral", idle: bool = False) -> list[str]:
     """This rank's run; what differs from :func:`reference` (empty when nothing does)."""
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
     )
 
     import modelparallel as tsm
-    from modelparallel.data import replica_rank_and_size
     from modelparallel.smp.v2.moe import MoEConfig  # torch.sagemaker.moe.moe_config
     from modelparallel.testing import TrainResult, full_parameters, parity_problems
 
@@ -123,20 +145,8 @@ def ep_case(config: dict, family: str = "mixtral", idle: bool = False) -> list[s
     model = tsm.transform(build(family, idle), config=moe)
     model = tsm.shard(model, blocks=(type(model.model.layers[0]),))
     opt = optimizer(model)
-    index, count = replica_rank_and_size()
-    rows = ROWS // count
-    losses, norms = [], []
-    for ids in batches():
-        ids = ids[index * rows:(index + 1) * rows]
-        opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        # SMP's clip_grad_norm_: the norm over every expert of every rank
-        norms.append(float(tsm.clip_grad_norm_(model.parameters(), 1e9)))
-        opt.step()
-        value = loss.detach().double()
-        dist.all_reduce(value)
-        losses.append(float(value) / dist.get_world_size())
+    # SMP's clip_grad_norm_: the norm over every expert of every rank
+    losses, norms = train_own_rows(model, opt, lambda p: tsm.clip_grad_norm_(p, 1e9))
     ref_losses, ref_params, ref_states, _, ref_norms = reference(family, idle)
     problems = parity_problems(TrainResult(losses, full_parameters(model)),
                                TrainResult(ref_losses, ref_params))

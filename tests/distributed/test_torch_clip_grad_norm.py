@@ -205,10 +205,8 @@ EP_MAX_NORM = 0.5  # below every step's norm: every step clips
 def expert_parallel_case(config: dict) -> list[str]:
     """Expert parallelism under ``mp.shard``: the experts are DTensors on the experts' mesh,
     the rest on the data-parallel mesh; torch's own function on ``model.parameters()``."""
-    import torch.distributed as dist
-    from test_expert_parallel import ROWS, batches, build, optimizer
+    from test_expert_parallel import build, optimizer, train_own_rows
 
-    from modelparallel.data import replica_rank_and_size
     from modelparallel.smp.v2.moe import MoEConfig
     from modelparallel.testing import full_parameters
 
@@ -216,20 +214,8 @@ def expert_parallel_case(config: dict) -> list[str]:
     model = mp.transform(build("mixtral"),
                          config=MoEConfig(smp_moe=False, moe_load_balancing="none"))
     model = mp.shard(model, blocks=(type(model.model.layers[0]),))
-    opt = optimizer(model)
-    index, count = replica_rank_and_size()
-    rows = ROWS // count
-    losses, norms = [], []
-    for ids in batches():
-        ids = ids[index * rows:(index + 1) * rows]
-        opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), EP_MAX_NORM)))
-        opt.step()
-        value = loss.detach().double()
-        dist.all_reduce(value)
-        losses.append(float(value) / dist.get_world_size())
+    losses, norms = train_own_rows(
+        model, optimizer(model), lambda p: torch.nn.utils.clip_grad_norm_(p, EP_MAX_NORM))
     ref_losses, ref_norms, ref_params = expert_reference()
     problems = [f"step {i}: torch's norm {a!r} vs one process's {b!r}"
                 for i, (a, b) in enumerate(zip(norms, ref_norms, strict=True))
